@@ -1,0 +1,60 @@
+"""``VerlCollate``: ``iter_torch_batches`` output equal to verl 0.5.0 ``collate_fn`` over the same rows."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pyarrow as pa
+from ray.data.collate_fn import ArrowBatchCollateFn
+from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType
+
+_TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
+
+# verl's row keys that get defaults when ``extra_info`` lacks them (and the column was not stored, see writer).
+ROW_DEFAULTS = {"index": 0, "tools_kwargs": {}, "interaction_kwargs": {}}
+
+
+def _is_tensor_column(column: pa.ChunkedArray) -> bool:
+    return isinstance(column.type, _TENSOR_TYPES)
+
+
+def object_array(values: list, *, one_dimensional: bool = False) -> np.ndarray:
+    """verl 0.5.0's ``np.array(values, dtype=object)`` (equal-length lists become 2-D), or always 1-D."""
+    if one_dimensional:
+        return np.fromiter(values, dtype=object, count=len(values))
+    return np.array(values, dtype=object)
+
+
+class VerlCollate(ArrowBatchCollateFn):
+    """Collate rows of ``build_dataset`` into verl's batch dict.
+
+    Tensor columns (``input_ids``, ``attention_mask``, ``position_ids``) become stacked ``torch.Tensor``\\ s (on
+    ``device`` when given); every other column a numpy object array of the Python values verl holds (dicts, lists,
+    None for missing struct fields). ``one_dimensional=True`` gives later verl's always-1-D object arrays instead of
+    0.5.0's ``np.array(values, dtype=object)`` (which makes equal-length lists 2-D). Keys come in verl's order:
+    tensors first, then the rest in row order.
+    """
+
+    def __init__(self, device: str | None = None, one_dimensional: bool = False):
+        super().__init__()
+        self.device = device
+        self.one_dimensional = one_dimensional
+
+    def __call__(self, batch: pa.Table) -> dict:
+        import torch
+
+        tensors, others = {}, {}
+        for name in batch.column_names:
+            column = batch.column(name)
+            if _is_tensor_column(column):
+                array = column.combine_chunks().to_numpy() if column.num_chunks != 1 else column.chunk(0).to_numpy()
+                tensor = torch.from_numpy(np.ascontiguousarray(array))
+                tensors[name] = tensor.to(self.device) if self.device is not None else tensor
+            else:
+                others[name] = object_array(column.to_pylist(), one_dimensional=self.one_dimensional)
+        for key, default in ROW_DEFAULTS.items():
+            if key not in others and batch.num_rows:
+                values = [copy.copy(default) for _ in range(batch.num_rows)]
+                others[key] = object_array(values, one_dimensional=self.one_dimensional)
+        return {**tensors, **others}

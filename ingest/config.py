@@ -1,0 +1,115 @@
+"""``DataConfig``: verl 0.5.0's ``data`` keys (with the dataset's code defaults) plus this pipeline's own keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("left", "right", "middle", "error")
+
+# Keys of a verl ``data:`` section that the 0.5.0 dataset does not read (the trainer or sampler does). Accepted so a
+# verl config works unchanged; they have no effect here.
+VERL_KEYS_NOT_READ_BY_DATASET = frozenset(
+    {
+        "tokenizer",
+        "train_files",
+        "val_files",
+        "reward_fn_key",
+        "max_response_length",
+        "train_batch_size",
+        "val_batch_size",
+        "return_raw_input_ids",
+        "dataloader_num_workers",
+        "validation_shuffle",
+        "trust_remote_code",
+        "custom_cls",
+        "sampler",
+        "datagen",
+        "gen_batch_size",
+        "video_fps",
+    }
+)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Everything ``build_dataset`` reads. Defaults are verl 0.5.0's code defaults (``rl_dataset.py``).
+
+    verl keys: ``prompt_key`` .. ``return_multi_modal_inputs``. Pipeline keys follow.
+    """
+
+    # --- verl 0.5.0 RLHFDataset keys ---
+    prompt_key: str = "prompt"
+    image_key: str = "images"
+    video_key: str = "videos"
+    max_prompt_length: int = 1024
+    truncation: str = "error"
+    filter_overlong_prompts: bool = True
+    return_raw_chat: bool = False
+    return_full_prompt: bool = False
+    return_multi_modal_inputs: bool = True
+    need_tools_kwargs: bool = False
+    filter_prompts: bool = True  # read by verl 0.5.0 but unused there; kept for config compatibility
+    cache_dir: str = "~/.cache/verl/rlhf"  # verl copies files here; this pipeline streams and never uses it
+    use_shm: bool = False  # likewise unused: nothing is copied
+    filter_overlong_prompts_workers: int | None = None  # verl's filter pass; the in-stream filter needs no workers
+    chat_template_func: str | None = None  # verl 0.5.0 reads but never calls it; never imported here either
+
+    # --- sampler keys verl reads in create_rl_sampler (same defaults) ---
+    shuffle: bool = True
+    seed: int = 1
+
+    # --- pipeline keys ---
+    read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
+    tokenizer_pool_min_size: int = 1
+    tokenizer_pool_max_size: int = 2
+    tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
+    tokenizer_num_cpus: float = 0.5  # fractional, so read tasks still get a CPU on small machines
+    storage_options: dict = dataclasses.field(default_factory=dict)  # filesystem kwargs (S3 endpoint, keys, ...)
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
+        if int(self.max_prompt_length) < 1:
+            raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        if not 1 <= self.tokenizer_pool_min_size <= self.tokenizer_pool_max_size:
+            raise ValueError(
+                "need 1 <= tokenizer_pool_min_size <= tokenizer_pool_max_size, got "
+                f"{self.tokenizer_pool_min_size}..{self.tokenizer_pool_max_size}"
+            )
+        if self.read_rows_per_task < 1 or self.tokenizer_batch_size < 1:
+            raise ValueError("read_rows_per_task and tokenizer_batch_size must be >= 1")
+        self.max_prompt_length = int(self.max_prompt_length)
+        self.storage_options = dict(self.storage_options or {})
+
+    @classmethod
+    def from_any(cls, config: DataConfig | Mapping[str, Any] | None) -> DataConfig:
+        """Accept a ``DataConfig``, a plain dict or an OmegaConf ``DictConfig`` (a verl ``data:`` section)."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if _is_omegaconf(config):
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(config, resolve=True)
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a DataConfig, dict or DictConfig, not {type(config).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in config.items() if k in fields}
+        unknown = sorted(k for k in config if k not in fields and k not in VERL_KEYS_NOT_READ_BY_DATASET)
+        if unknown:
+            logger.warning("ignoring unknown data config keys: %s", ", ".join(map(str, unknown)))
+        return cls(**known)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _is_omegaconf(obj: object) -> bool:
+    return type(obj).__module__.startswith("omegaconf")

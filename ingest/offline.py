@@ -1,0 +1,139 @@
+"""The embedded default model files: a real Qwen2-VL tokenizer + processor built with no network.
+
+The ``dashscope`` wheel ships ``qwen.tiktoken`` (the 151,643 BPE ranks Qwen2 / Qwen2-VL use). From it we build a
+``tokenizers.Tokenizer``, add Qwen's special tokens on their real ids, wrap it with the published Qwen2-VL chat template
+and save a processor directory that transformers 5 (and 4.57, for the verl oracle) loads like a hub download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+EMBEDDED_NAME = "embedded:qwen2-vl"
+
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Order matters: added in this order they land on Qwen's real ids 151643..151656.
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def default_model_dir() -> Path:
+    """Where the embedded tokenizer is built: ``$INGEST_MODEL_DIR`` or a per-user cache directory."""
+    env = os.environ.get("INGEST_MODEL_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ray-ingest" / "qwen2-vl-offline"
+
+
+def _tiktoken_file() -> Path:
+    import dashscope
+
+    path = Path(dashscope.__file__).parent / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"the installed dashscope package has no {path}; cannot build the offline tokenizer")
+    return path
+
+
+def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """Build (once) the Qwen2-VL tokenizer + processor directory from ``dashscope`` and return its path.
+
+    Safe to call from many processes at once: the directory is written under a temporary name and renamed.
+    """
+    out = Path(out_dir) if out_dir is not None else default_model_dir()
+    if (out / "tokenizer_config.json").is_file() and not force:
+        return out
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN).converted()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+    if tokenizer.encode("Hello world") != [9707, 1879] or tokenizer.convert_tokens_to_ids("<|image_pad|>") != 151655:
+        raise RuntimeError("the offline Qwen tokenizer does not reproduce Qwen's ids; dashscope's vocabulary changed?")
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+        processor = Qwen2VLProcessor(
+            image_processor=Qwen2VLImageProcessor(),
+            tokenizer=tokenizer,
+            video_processor=Qwen2VLVideoProcessor(),
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+        processor.save_pretrained(tmp)
+        # transformers 4.57 (the verl oracle) reads these two files rather than processor_config.json's sections
+        processor.image_processor.save_pretrained(tmp)
+        processor.video_processor.save_pretrained(tmp)
+    except ImportError:  # no torchvision: still a usable text tokenizer
+        tokenizer.save_pretrained(tmp)
+    _make_loadable_by_transformers4(tmp)
+    if out.exists() and force:
+        import shutil
+
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race; theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _make_loadable_by_transformers4(model_dir: Path) -> None:
+    """transformers 5 writes ``TokenizersBackend``, unknown to 4.57 (the verl oracle); Qwen2Tokenizer works in both."""
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
+    """Map ``None`` / ``embedded:qwen2-vl`` to the offline directory (building it on this node if needed)."""
+    if name_or_path is None or str(name_or_path) == EMBEDDED_NAME:
+        return str(build_offline_model_dir())
+    return os.fspath(name_or_path)

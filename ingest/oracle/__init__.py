@@ -1,0 +1,51 @@
+"""Running verl 0.5.0 itself (the parity oracle and the benchmark's competitor) in a subprocess.
+
+verl 0.5.0 needs transformers 4.57 (shared/verl-row-contract.md), so it lives in its own ``--target`` directory
+(``make oracle`` installs it in ``.oracle/``) and runs with that directory in front of ``PYTHONPATH``, reusing this
+environment's torch, numpy, pyarrow and PIL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"
+RUNNER = Path(__file__).with_name("verl_runner.py")
+
+
+def oracle_dir() -> Path:
+    return Path(os.environ.get(ORACLE_DIR_ENV, Path(__file__).resolve().parents[2] / ".oracle"))
+
+
+def oracle_available() -> bool:
+    return (oracle_dir() / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file()
+
+
+def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, timeout: float = 1800, **extra) -> dict:
+    """Run ``verl_runner.py MODE`` and return what it wrote (rows / batches for ``rows``, timings for ``bench``)."""
+    if not oracle_available():
+        raise RuntimeError(f"verl 0.5.0 oracle not installed in {oracle_dir()} (run `make oracle`)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.pkl"
+        spec = {"files": files, "tokenizer": tokenizer, "config": config, "out": str(out), **extra}
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), mode, json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(out, "rb") as f:
+            return pickle.load(f)

@@ -1,0 +1,79 @@
+"""Runs verl 0.5.0's RLHFDataset (inside the oracle environment). Usage: verl_runner.py rows|bench SPEC_JSON.
+
+rows:  every ``__getitem__`` row, and verl's ``collate_fn`` over consecutive batches, pickled.
+bench: RLHFDataset + DataLoader(num_workers, batch_size, collate_fn) end to end: time to first batch and rows/s.
+"""
+
+import json
+import pickle
+import sys
+import time
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:  # what verl.utils.tokenizer.hf_tokenizer does
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _processor(path):
+    if not path:
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
+
+
+def main():
+    mode, spec = sys.argv[1], json.loads(sys.argv[2])
+    import transformers
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    assert transformers.__version__.startswith("4."), transformers.__version__
+    config = OmegaConf.create(spec.get("config") or {})
+    started = time.perf_counter()
+    tokenizer = _tokenizer(spec["tokenizer"])
+    processor = _processor(spec.get("processor"))
+    result = {}
+    if mode == "rows":  # one result per config in spec["configs"] (one process start for many configs)
+        result["runs"] = []
+        for one in spec.get("configs", [spec["config"]]):
+            try:
+                dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
+                rows = [dataset[i] for i in range(len(dataset))]
+            except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
+                result["runs"].append({"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            batch_size = spec.get("batch_size", 16)
+            batches = [collate_fn(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+            result["runs"].append({"rows": rows, "batches": batches})
+    elif mode == "bench":
+        from torch.utils.data import DataLoader
+
+        dataset = RLHFDataset(spec["files"], tokenizer, config, processor)
+        loader = DataLoader(
+            dataset,
+            batch_size=spec.get("batch_size", 64),
+            num_workers=spec.get("num_workers", 2),
+            collate_fn=collate_fn,
+            shuffle=False,
+        )
+        first, rows = None, 0
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - started
+            rows += len(batch["input_ids"])
+        total = time.perf_counter() - started
+        result = {"rows": rows, "seconds": total, "time_to_first_batch_s": first, "rows_per_s": rows / total}
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    with open(spec["out"], "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""``build_dataset``: Parquet (local, S3, HDFS) -> read units -> tokenizer actor pool -> verl rows."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ingest.config import DataConfig
+from ingest.errors import SourceError
+from ingest.read import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units
+from ingest.sources import FileInfo, _describe, expand_files, inspect_files, unify_schemas
+
+FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
+
+
+@dataclass
+class InputPlan:
+    """What the driver learned from the footers before any data is read."""
+
+    files: list[str]
+    infos: list[FileInfo]
+    units: list[ReadUnit]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+
+def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan:
+    paths = expand_files(files, cfg.storage_options)
+    infos = inspect_files(paths, cfg.storage_options)
+    for info in infos:
+        if cfg.prompt_key not in info.schema.names:
+            raise SourceError(
+                f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)}); "
+                "set data.prompt_key",
+                file=_describe(info.path),
+                column=cfg.prompt_key,
+            )
+    units = plan_units(infos, cfg.read_rows_per_task)
+    if cfg.shuffle:
+        units = shuffle_units(units, cfg.seed, epoch)
+    return InputPlan(paths, infos, units)
+
+
+def build_dataset(
+    files: FilesArg,
+    tokenizer: str | os.PathLike | None,
+    config: DataConfig | Mapping[str, Any] | None = None,
+    processor: str | os.PathLike | None = None,
+    *,
+    epoch: int = 0,
+    ledger=None,
+    plan: InputPlan | None = None,
+) -> ray.data.Dataset:
+    """A Ray Dataset of verl 0.5.0 rows (``RLHFDataset.__getitem__``) for ``files``.
+
+    ``files``: a path, directory, glob or list of them, local or ``s3://`` / ``hdfs://`` / ``webhdfs://``.
+    ``tokenizer`` / ``processor``: a local directory or hub name, loaded once per actor (``None`` for the tokenizer
+    means the embedded offline Qwen2-VL tokenizer). ``config``: ``DataConfig``, dict or a verl ``data:`` DictConfig.
+    With ``shuffle`` off rows come in input order (minus filtered rows); with it on, in a seeded order that
+    depends only on (seed, epoch). ``ledger``: a ``RunLedger`` actor that receives per-batch counts.
+    """
+    cfg = DataConfig.from_any(config)
+    if processor is not None:
+        raise NotImplementedError("the processor (multimodal) path is not built yet; pass processor=None")
+    plan = plan or plan_input(files, cfg, epoch=epoch)
+    from actors.tokenize import TokenizeActor
+
+    source = ParquetUnitsDatasource(
+        plan.files,
+        plan.units,
+        unify_schemas(plan.infos),
+        cfg.storage_options,
+        shuffle_seed=cfg.seed if cfg.shuffle else None,
+        epoch=epoch,
+    )
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)))
+    ds.context.execution_options.preserve_order = True
+    return ds.map_batches(
+        TokenizeActor,
+        fn_constructor_kwargs={
+            "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
+            "config": cfg.to_dict(),
+            "files": [_describe(p) for p in plan.files],
+            "ledger": ledger,
+        },
+        batch_size=cfg.tokenizer_batch_size,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=ray.data.ActorPoolStrategy(
+            min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size
+        ),
+        num_cpus=cfg.tokenizer_num_cpus,
+    )

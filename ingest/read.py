@@ -1,0 +1,172 @@
+"""Streaming Parquet read: one Ray read task per *read unit* (a run of rows inside one file), not per file.
+
+Ray merges what one read task yields into blocks of up to ``target_max_block_size`` (128 MiB), so a 20,000-row file read
+by one task reaches the tokenizer as one block and nothing leaves before all of it is tokenized. Small units make the
+first batch independent of file size, spread work over every core, and give resume a granularity finer than a file.
+
+Units follow row groups: consecutive row groups are grouped up to ``rows_per_task``; a row group much larger than
+that is split into at most ``MAX_SLICES_PER_ROW_GROUP`` row slices (each slice re-decodes the row group prefix, so
+the split is capped).
+
+Every row carries its provenance: ``_ingest_file`` (index into the file list) and ``_ingest_row`` (row in the file).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from ingest.errors import SourceError
+from ingest.sources import FileInfo, _describe, conform, open_parquet
+
+FILE_COLUMN = "_ingest_file"
+ROW_COLUMN = "_ingest_row"
+PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
+MAX_SLICES_PER_ROW_GROUP = 16
+
+
+@dataclass(frozen=True)
+class ReadUnit:
+    file_index: int
+    row_groups: tuple[int, ...]
+    first_row: int  # row index in the file of the first row of row_groups[0]
+    slice_start: int  # rows to skip / keep inside the concatenated row groups
+    slice_stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.slice_stop - self.slice_start
+
+
+def plan_units(infos: Sequence[FileInfo], rows_per_task: int) -> list[ReadUnit]:
+    units: list[ReadUnit] = []
+    for file_index, info in enumerate(infos):
+        group: list[int] = []
+        group_rows = 0
+        group_first = 0
+        row = 0
+        for rg, rg_rows in enumerate(info.row_group_rows):
+            if rg_rows > 2 * rows_per_task:
+                if group:
+                    units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
+                    group, group_rows = [], 0
+                slices = min(MAX_SLICES_PER_ROW_GROUP, -(-rg_rows // rows_per_task))
+                bounds = np.linspace(0, rg_rows, slices + 1).astype(int)
+                units.extend(ReadUnit(file_index, (rg,), row, int(a), int(b)) for a, b in zip(bounds, bounds[1:]))
+            else:
+                if not group:
+                    group_first = row
+                group.append(rg)
+                group_rows += rg_rows
+                if group_rows >= rows_per_task:
+                    units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
+                    group, group_rows = [], 0
+            row += rg_rows
+        if group:
+            units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
+    return [u for u in units if u.num_rows > 0]
+
+
+def shuffle_units(units: list[ReadUnit], seed: int, epoch: int = 0) -> list[ReadUnit]:
+    order = list(units)
+    random.Random(f"units:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def _row_permutation(unit: ReadUnit, seed: int, epoch: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, epoch, unit.file_index, unit.first_row + unit.slice_start])
+    return rng.permutation(unit.num_rows)
+
+
+def read_unit(
+    unit: ReadUnit, path: str, schema: pa.Schema, storage_options: dict, shuffle_seed: int | None, epoch: int = 0
+) -> pa.Table:
+    """Read one unit as a table with ``schema`` plus the provenance columns."""
+    pf = open_parquet(path, storage_options)
+    try:
+        if unit.slice_start == 0 and unit.slice_stop == sum(pf.metadata.row_group(g).num_rows for g in unit.row_groups):
+            table = pf.read_row_groups(list(unit.row_groups))
+        else:  # a slice of one big row group: decode only up to the slice end
+            batches, seen = [], 0
+            for batch in pf.iter_batches(batch_size=4096, row_groups=list(unit.row_groups)):
+                batches.append(batch)
+                seen += batch.num_rows
+                if seen >= unit.slice_stop:
+                    break
+            table = pa.Table.from_batches(batches, schema=batches[0].schema).slice(
+                unit.slice_start, unit.num_rows
+            )
+    except SourceError:
+        raise
+    except Exception as exc:
+        raise SourceError(
+            f"cannot read row groups {list(unit.row_groups)}: {type(exc).__name__}: {exc}",
+            file=_describe(path),
+            row=unit.first_row + unit.slice_start,
+        ) from None
+    table = conform(table, schema)
+    rows = np.arange(unit.num_rows, dtype=np.int64) + unit.first_row + unit.slice_start
+    if shuffle_seed is not None:
+        perm = _row_permutation(unit, shuffle_seed, epoch)
+        table, rows = table.take(perm), rows[perm]
+    table = table.append_column(FILE_COLUMN, pa.array(np.full(unit.num_rows, unit.file_index, dtype=np.int32)))
+    return table.append_column(ROW_COLUMN, pa.array(rows))
+
+
+class ParquetUnitsDatasource(Datasource):
+    """A Ray ``Datasource`` with one read task per ``ReadUnit`` (in the given order)."""
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        units: Sequence[ReadUnit],
+        schema: pa.Schema,
+        storage_options: dict | None = None,
+        shuffle_seed: int | None = None,
+        epoch: int = 0,
+    ):
+        super().__init__()
+        self._paths = list(paths)
+        self._units = list(units)
+        self._schema = schema
+        self._storage_options = dict(storage_options or {})
+        self._shuffle_seed = shuffle_seed
+        self._epoch = epoch
+
+    def get_name(self) -> str:
+        return "ReadParquetUnits"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list:
+        out_schema = self._schema.append(pa.field(FILE_COLUMN, pa.int32())).append(pa.field(ROW_COLUMN, pa.int64()))
+        tasks = []
+        for unit in self._units:
+            path = self._paths[unit.file_index]
+            meta = BlockMetadata(num_rows=unit.num_rows, size_bytes=None, input_files=[path], exec_stats=None)
+            tasks.append(
+                ReadTask(
+                    _UnitReader(unit, path, self._schema, self._storage_options, self._shuffle_seed, self._epoch),
+                    meta,
+                    schema=out_schema,
+                    per_task_row_limit=per_task_row_limit,
+                )
+            )
+        return tasks
+
+
+class _UnitReader:
+    """The read function of one task (a class, so it pickles without closures over the datasource)."""
+
+    def __init__(self, unit, path, schema, storage_options, shuffle_seed, epoch):
+        self.args = (unit, path, schema, storage_options, shuffle_seed, epoch)
+
+    def __call__(self) -> Iterator[pa.Table]:
+        yield read_unit(*self.args)

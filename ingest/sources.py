@@ -1,0 +1,152 @@
+"""Input files: expanding paths / directories / globs on local disk, S3, HDFS and WebHDFS, and opening them.
+
+Everything goes through fsspec, so ``storage_options`` are fsspec's (``key``, ``secret``,
+``client_kwargs={"endpoint_url": ...}`` for s3fs; ``host``/``port``/``user`` for HDFS). Local paths use pyarrow's
+native reader. Nothing is copied to local disk: Parquet is read by byte ranges.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ingest.errors import SourceError
+
+REMOTE_PROTOCOLS = ("s3", "s3a", "hdfs", "webhdfs", "swebhdfs", "gs", "gcs", "abfs", "az", "http", "https")
+_GLOB_CHARS = "*?["
+
+
+def protocol_of(path: str) -> str:
+    return path.split("://", 1)[0].lower() if "://" in path else "file"
+
+
+def filesystem_for(path: str, storage_options: dict | None = None) -> fsspec.AbstractFileSystem:
+    """The fsspec filesystem for ``path`` (``s3a://`` is treated as ``s3://``)."""
+    protocol = protocol_of(path)
+    if protocol == "s3a":
+        protocol = "s3"
+    return fsspec.filesystem(protocol, **(storage_options or {}))
+
+
+def _qualify(fs: fsspec.AbstractFileSystem, protocol: str, path: str) -> str:
+    if protocol == "file":
+        return path
+    return fs.unstrip_protocol(path) if "://" not in path else path
+
+
+def _describe(path: str) -> str:
+    """A path safe to print: no credentials embedded in the URL (``s3://key:secret@bucket``)."""
+    if "://" in path and "@" in path.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return path
+
+
+def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage_options: dict | None = None) -> list:
+    """Expand paths, directories (every ``*.parquet`` below, sorted) and globs into a list of Parquet files.
+
+    Order is kept: entries in the order given, each directory or glob sorted. Duplicates are an error (they would
+    silently double rows).
+    """
+    entries = [files] if isinstance(files, str | os.PathLike) else list(files)
+    if not entries:
+        raise SourceError("no input files given")
+    out: list[str] = []
+    for entry in entries:
+        entry = os.fspath(entry)
+        protocol = protocol_of(entry)
+        fs = filesystem_for(entry, storage_options)
+        try:
+            if any(ch in entry for ch in _GLOB_CHARS):
+                found = sorted(p for p in fs.glob(entry) if not fs.isdir(p))
+                if not found:
+                    raise SourceError("glob matched no files", file=_describe(entry))
+            elif fs.isdir(entry):
+                found = sorted(p for p in fs.find(entry) if p.endswith(".parquet") or p.endswith(".parq"))
+                if not found:
+                    raise SourceError("directory holds no .parquet files", file=_describe(entry))
+            elif fs.exists(entry):
+                found = [entry]
+            else:
+                raise SourceError("no such file or directory", file=_describe(entry))
+        except SourceError:
+            raise
+        except Exception as exc:  # permissions, bad endpoint, unreachable namenode, ...
+            raise SourceError(f"cannot list: {type(exc).__name__}: {exc}", file=_describe(entry)) from None
+        out.extend(_qualify(fs, protocol, p) if p != entry else p for p in found)
+    duplicates = sorted({p for p in out if out.count(p) > 1})
+    if duplicates:
+        raise SourceError(f"file listed more than once: {', '.join(duplicates[:3])}")
+    return out
+
+
+def open_parquet(path: str, storage_options: dict | None = None) -> pq.ParquetFile:
+    """Open one Parquet file for reading by row group (footer read now, data on demand)."""
+    try:
+        if protocol_of(path) == "file":
+            return pq.ParquetFile(path.removeprefix("file://"))
+        fs = filesystem_for(path, storage_options)
+        return pq.ParquetFile(fs.open(path, "rb"))
+    except Exception as exc:
+        raise SourceError(f"cannot read as Parquet: {type(exc).__name__}: {exc}", file=_describe(path)) from None
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    schema: pa.Schema
+    row_group_rows: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_group_rows)
+
+
+def inspect_files(paths: Sequence[str], storage_options: dict | None = None, max_workers: int = 16) -> list:
+    """Read every file's footer (in parallel for remote stores): schema and row counts per row group."""
+
+    def one(path: str) -> FileInfo:
+        pf = open_parquet(path, storage_options)
+        meta = pf.metadata
+        return FileInfo(path, pf.schema_arrow, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
+
+    remote = any(protocol_of(p) != "file" for p in paths)
+    if len(paths) <= 1 or not remote:
+        return [one(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
+        return list(pool.map(one, paths))
+
+
+def unify_schemas(infos: Iterable[FileInfo]) -> pa.Schema:
+    """One schema for all files (columns missing from a file read as null)."""
+    infos = list(infos)
+    try:
+        return pa.unify_schemas([info.schema for info in infos], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        first = infos[0]
+        for info in infos[1:]:
+            try:
+                pa.unify_schemas([first.schema, info.schema], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                raise SourceError(f"schema conflicts with {_describe(first.path)}: {exc}", file=_describe(info.path))
+        raise SourceError(f"schemas cannot be unified: {exc}") from None
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Reorder / add null columns / cast so ``table`` has exactly ``schema``."""
+    if table.schema.equals(schema):
+        return table
+    columns = []
+    for field in schema:
+        if field.name in table.column_names:
+            column = table.column(field.name)
+            columns.append(column if column.type.equals(field.type) else column.cast(field.type))
+        else:
+            columns.append(pa.nulls(table.num_rows, field.type))
+    return pa.Table.from_arrays(columns, schema=schema)

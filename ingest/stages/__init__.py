@@ -1,0 +1,1 @@
+"""Pipeline stages: plain classes that turn one Arrow batch into another (the actors in ``actors/`` host them)."""

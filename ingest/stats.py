@@ -1,0 +1,77 @@
+"""Run accounting: a small Ray actor that stages report their per-batch counts to, and the run summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+
+from ingest.stages.tokenize import BatchCounts
+
+
+@ray.remote(num_cpus=0)
+class RunLedger:
+    """Sums the counts every stage actor reports (rows in / out / filtered / quarantined, prompt tokens)."""
+
+    def __init__(self):
+        self.counts = BatchCounts()
+
+    def add(self, counts: dict) -> None:
+        self.counts.add(BatchCounts(**counts))
+
+    def get(self) -> dict:
+        return dataclasses.asdict(self.counts)
+
+
+def report_counts(ledger, counts: BatchCounts) -> None:
+    # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
+    if ledger is not None:
+        ray.get(ledger.add.remote(dataclasses.asdict(counts)))
+
+
+@dataclasses.dataclass
+class RunSummary:
+    rows_in: int = 0
+    rows_out: int = 0
+    filtered_overlong: int = 0
+    quarantined: int = 0
+    prompt_tokens: int = 0
+    files: int = 0
+    seconds: float = 0.0
+    time_to_first_batch_s: float | None = None
+    rows_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    output_dir: str | None = None
+
+    @property
+    def accounted(self) -> bool:
+        return self.rows_in == self.rows_out + self.filtered_overlong + self.quarantined
+
+    def finish(self, started: float) -> RunSummary:
+        self.seconds = time.perf_counter() - started
+        self.rows_per_s = self.rows_out / self.seconds if self.seconds else 0.0
+        self.tokens_per_s = self.prompt_tokens / self.seconds if self.seconds else 0.0
+        return self
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["accounted"] = self.accounted
+        return out
+
+    def format(self) -> str:
+        ttfb = "n/a" if self.time_to_first_batch_s is None else f"{self.time_to_first_batch_s:.2f} s"
+        lines = [
+            f"rows in            {self.rows_in:>12,}  ({self.files} files)",
+            f"rows out           {self.rows_out:>12,}",
+            f"filtered overlong  {self.filtered_overlong:>12,}",
+            f"quarantined        {self.quarantined:>12,}",
+            f"accounted          {'yes' if self.accounted else 'NO: rows in != out + filtered + quarantined'}",
+            f"time               {self.seconds:>12.2f} s",
+            f"rows/s             {self.rows_per_s:>12,.0f}",
+            f"prompt tokens/s    {self.tokens_per_s:>12,.0f}",
+            f"time to 1st batch  {ttfb:>14}",
+        ]
+        if self.output_dir:
+            lines.append(f"output             {self.output_dir}")
+        return "\n".join(lines)
