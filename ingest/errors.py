@@ -53,6 +53,9 @@ def find_ingest_error(exc: BaseException) -> IngestError | None:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
+        cause = getattr(err, "cause", None)  # RayTaskError(IngestError) carries the original as .cause
+        if isinstance(cause, IngestError):
+            return cause
         if isinstance(err, IngestError):
             return err
         stack.extend([err.__cause__, err.__context__, getattr(err, "cause", None)])

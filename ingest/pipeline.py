@@ -81,6 +81,9 @@ def build_dataset(
     )
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)))
     ds.context.execution_options.preserve_order = True
+    # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
+    # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
+    ds.context.raise_original_map_exception = True
     return ds.map_batches(
         TokenizeActor,
         fn_constructor_kwargs={

@@ -1,0 +1,36 @@
+"""Deep, type-strict comparison of verl batches (tensors, numpy object arrays, nested Python values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def assert_same(ours, theirs, path="batch"):
+    assert type(ours) is type(theirs), f"{path}: type {type(ours).__name__} != {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype, f"{path}: dtype {ours.dtype} != {theirs.dtype}"
+        assert ours.shape == theirs.shape, f"{path}: shape {tuple(ours.shape)} != {tuple(theirs.shape)}"
+        assert torch.equal(ours, theirs), f"{path}: values differ"
+    elif isinstance(theirs, np.ndarray):
+        assert ours.dtype == theirs.dtype, f"{path}: dtype {ours.dtype} != {theirs.dtype}"
+        assert ours.shape == theirs.shape, f"{path}: shape {ours.shape} != {theirs.shape}"
+        for idx in np.ndindex(theirs.shape):
+            assert_same(ours[idx], theirs[idx], f"{path}{list(idx)}")
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs), f"{path}: keys {list(ours)} != {list(theirs)}"
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{path}.{key}")
+    elif isinstance(theirs, list | tuple):
+        assert len(ours) == len(theirs), f"{path}: length {len(ours)} != {len(theirs)}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{path}[{i}]")
+    else:
+        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
+
+
+def assert_same_batches(ours: list, theirs: list):
+    assert sum(len(b["input_ids"]) for b in ours) == sum(len(b["input_ids"]) for b in theirs), "row counts differ"
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert_same(a, b, f"batch{i}")
