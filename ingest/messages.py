@@ -9,7 +9,7 @@ _MEDIA_SPLIT = re.compile("(<image>|<video>)")
 
 
 def validate_messages(messages: object) -> str | None:
-    """Return why ``messages`` is not a usable chat (a non-empty list of ``{role: str, content: str|list}``), or None."""
+    """Why ``messages`` is not a usable chat (a non-empty list of ``{role: str, content: str|list}``), or None."""
     if not isinstance(messages, list):
         return f"prompt must be a list of chat messages, got {type(messages).__name__}"
     if not messages:

@@ -84,7 +84,10 @@ class ChatTokenizer:
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """``apply_chat_template(messages, tokenize=False)`` as transformers 4.x did it (messages as given)."""
         return render_chat(
-            self._template, messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens_map
+            self._template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens_map,
         )
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -36,8 +36,7 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan
     for info in infos:
         if cfg.prompt_key not in info.schema.names:
             raise SourceError(
-                f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)}); "
-                "set data.prompt_key",
+                f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)}); set data.prompt_key",
                 file=_describe(info.path),
                 column=cfg.prompt_key,
             )
@@ -95,8 +94,6 @@ def build_dataset(
         batch_size=cfg.tokenizer_batch_size,
         batch_format="pyarrow",
         zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(
-            min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size
-        ),
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
         num_cpus=cfg.tokenizer_num_cpus,
     )

@@ -4,9 +4,9 @@ Ray merges what one read task yields into blocks of up to ``target_max_block_siz
 by one task reaches the tokenizer as one block and nothing leaves before all of it is tokenized. Small units make the
 first batch independent of file size, spread work over every core, and give resume a granularity finer than a file.
 
-Units follow row groups: consecutive row groups are grouped up to ``rows_per_task``; a row group much larger than
-that is split into at most ``MAX_SLICES_PER_ROW_GROUP`` row slices (each slice re-decodes the row group prefix, so
-the split is capped).
+Units follow row groups: consecutive row groups are grouped while they fit in ``rows_per_task``; a row group much
+larger than that is split into at most ``MAX_SLICES_PER_ROW_GROUP`` row slices (each slice re-decodes the row group
+prefix, so the split is capped).
 
 Every row carries its provenance: ``_ingest_file`` (index into the file list) and ``_ingest_row`` (row in the file).
 """
@@ -58,15 +58,17 @@ def plan_units(infos: Sequence[FileInfo], rows_per_task: int) -> list[ReadUnit]:
                     group, group_rows = [], 0
                 slices = min(MAX_SLICES_PER_ROW_GROUP, -(-rg_rows // rows_per_task))
                 bounds = np.linspace(0, rg_rows, slices + 1).astype(int)
-                units.extend(ReadUnit(file_index, (rg,), row, int(a), int(b)) for a, b in zip(bounds, bounds[1:]))
+                units.extend(
+                    ReadUnit(file_index, (rg,), row, int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
+                )
             else:
+                if group and group_rows + rg_rows > rows_per_task:  # close the unit before it outgrows the target
+                    units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
+                    group, group_rows = [], 0
                 if not group:
                     group_first = row
                 group.append(rg)
                 group_rows += rg_rows
-                if group_rows >= rows_per_task:
-                    units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
-                    group, group_rows = [], 0
             row += rg_rows
         if group:
             units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
@@ -99,9 +101,7 @@ def read_unit(
                 seen += batch.num_rows
                 if seen >= unit.slice_stop:
                     break
-            table = pa.Table.from_batches(batches, schema=batches[0].schema).slice(
-                unit.slice_start, unit.num_rows
-            )
+            table = pa.Table.from_batches(batches, schema=batches[0].schema).slice(unit.slice_start, unit.num_rows)
     except SourceError:
         raise
     except Exception as exc:

@@ -17,7 +17,16 @@ import pyarrow.parquet as pq
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Mark", "Ken", "Alexis", "Tina", "Zoë", "Øyvind"]
 ITEMS = ["clips", "apples", "pages", "dollars", "cookies", "marbles", "tickets", "books", "eggs", "shells"]
-UNICODE_BITS = ["日本語の問題です。", "Ça coûte 5 €.", "Привет, мир!", "🙂🚀", "naïve café", "ß ∑ ∫ √2", "עברית", "हिन्दी"]
+UNICODE_BITS = [
+    "日本語の問題です。",
+    "Ça coûte 5 €.",
+    "Привет, мир!",
+    "🙂🚀",
+    "naïve café",
+    "ß ∑ ∫ √2",
+    "עברית",
+    "हिन्दी",
+]
 
 
 def _question(rng: random.Random) -> tuple[str, str]:

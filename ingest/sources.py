@@ -134,7 +134,9 @@ def unify_schemas(infos: Iterable[FileInfo]) -> pa.Schema:
             try:
                 pa.unify_schemas([first.schema, info.schema], promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError):
-                raise SourceError(f"schema conflicts with {_describe(first.path)}: {exc}", file=_describe(info.path))
+                raise SourceError(
+                    f"schema conflicts with {_describe(first.path)}: {exc}", file=_describe(info.path)
+                ) from None
         raise SourceError(f"schemas cannot be unified: {exc}") from None
 
 

@@ -23,7 +23,7 @@ def assert_same(ours, theirs, path="batch"):
             assert_same(ours[key], theirs[key], f"{path}.{key}")
     elif isinstance(theirs, list | tuple):
         assert len(ours) == len(theirs), f"{path}: length {len(ours)} != {len(theirs)}"
-        for i, (a, b) in enumerate(zip(ours, theirs)):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
             assert_same(a, b, f"{path}[{i}]")
     else:
         assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
@@ -32,5 +32,5 @@ def assert_same(ours, theirs, path="batch"):
 def assert_same_batches(ours: list, theirs: list):
     assert sum(len(b["input_ids"]) for b in ours) == sum(len(b["input_ids"]) for b in theirs), "row counts differ"
     assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         assert_same(a, b, f"batch{i}")

@@ -37,6 +37,8 @@ def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, t
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # A fresh HF datasets cache per run: a warm one replays verl's overlong filter from disk
+        env["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf-datasets")
         proc = subprocess.run(
             [sys.executable, str(RUNNER), mode, json.dumps(spec)],
             env=env,

@@ -73,7 +73,9 @@ class PromptTokenizeStage:
             try:
                 texts.append(self.tokenizer.render(build_messages(messages, has_media_column=has_media)))
             except Exception as exc:
-                raise BadRowError(f"chat template failed: {type(exc).__name__}: {exc}", **self._where(table, i))
+                raise BadRowError(
+                    f"chat template failed: {type(exc).__name__}: {exc}", **self._where(table, i)
+                ) from None
         ids = self.tokenizer.encode_batch(texts)
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         max_len = cfg.max_prompt_length

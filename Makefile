@@ -1,0 +1,44 @@
+# The two commands of the README: `make demo` (install + run the embedded default) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+ORACLE := .oracle/.installed
+
+.PHONY: install oracle demo test lint bench clean
+
+$(STAMP): requirements/main.txt requirements/test.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements/main.txt -r requirements/test.txt
+	$(PIP) install -q --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+# verl 0.5.0 + transformers 4.57 beside (not inside) the main environment: the parity oracle and bench competitor.
+$(ORACLE): requirements/oracle.txt
+	rm -rf .oracle
+	$(PIP) install -q --no-deps --target .oracle -r requirements/oracle.txt
+	touch $@
+
+oracle: $(ORACLE)
+
+demo: $(STAMP)
+	$(PY) -m ingest make-tokenizer
+	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
+
+test: $(STAMP) $(ORACLE)
+	$(PY) -m ruff check ingest actors tests
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check ingest actors tests
+	$(PY) -m ruff format --check ingest actors tests
+
+bench: $(STAMP) $(ORACLE)
+	$(PY) -m ingest bench text --rows 20000 200000
+
+clean:
+	rm -rf $(VENV) .oracle out

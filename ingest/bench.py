@@ -1,0 +1,79 @@
+"""``python -m ingest bench text``: verl 0.5.0 (RLHFDataset + DataLoader) vs this pipeline on the same data, one run.
+
+Both read the same generated gsm8k-shaped Parquet, with the same tokenizer and ``data`` config (max_prompt_length
+1024, overlong filter on, 1% overlong prompts), batch size 64. verl: ``DataLoader(num_workers=2)`` in a subprocess
+(the oracle environment). Ours: ``build_dataset`` + ``iter_torch_batches(collate_fn=VerlCollate())`` on a local Ray
+started before the clock (Ray start-up is reported apart: a cluster outlives one epoch). Time to first batch counts
+from dataset construction (verl: from ``RLHFDataset(...)``, tokenizer load included on both sides).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
+BATCH_SIZE = 64
+
+
+def _data(work_dir: Path, rows: int) -> list[str]:
+    from ingest.sample import write_gsm8k_parquet
+
+    out = work_dir / f"gsm8k-{rows}"
+    existing = sorted(str(p) for p in out.glob("*.parquet"))
+    if existing:
+        return existing
+    return write_gsm8k_parquet(out, rows, num_files=max(1, rows // 50_000), row_group_size=1000, long_every=100)
+
+
+def run_ours(files: list[str], tokenizer: str, config: dict | None = None) -> dict:
+    import torch  # noqa: F401  (a trainer has torch loaded; verl's side imports it before its clock too)
+
+    from ingest import VerlCollate, build_dataset
+
+    started = time.perf_counter()
+    ds = build_dataset(files, tokenizer, {**BENCH_CONFIG, **(config or {})})
+    first, rows = None, 0
+    for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate()):
+        if first is None:
+            first = time.perf_counter() - started
+        rows += len(batch["input_ids"])
+    seconds = time.perf_counter() - started
+    return {"rows": rows, "seconds": seconds, "time_to_first_batch_s": first, "rows_per_s": rows / seconds}
+
+
+def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: bool = False) -> dict:
+    import ray
+
+    from ingest.offline import build_offline_model_dir
+    from ingest.oracle import run_verl
+
+    tokenizer = str(build_offline_model_dir())
+    work = Path(work_dir or Path(tempfile.gettempdir()) / "ingest-bench")
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    result = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "date": time.strftime("%Y-%m-%d"),
+        "ray_init_s": round(time.perf_counter() - t, 2),
+        "sizes": [],
+    }
+    for n in rows:
+        files = _data(work, n)
+        ours = run_ours(files, tokenizer)
+        entry = {"rows": n, "ours": ours}
+        if not skip_verl:
+            cfg = {**BENCH_CONFIG, "cache_dir": str(work / "verl-cache")}
+            verl = run_verl("bench", files, tokenizer, cfg, batch_size=BATCH_SIZE, num_workers=2)
+            entry["verl"] = verl
+            entry["ratio_rows_per_s"] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
+            assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, ours {ours['rows']}"
+        result["sizes"].append(entry)
+        print(entry, flush=True)
+    ray.shutdown()
+    return result
