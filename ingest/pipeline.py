@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from ingest.config import DataConfig
-from ingest.errors import SourceError
+from ingest.errors import ModelLoadError, SourceError
 from ingest.read import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units
 from ingest.sources import FileInfo, _describe, expand_files, inspect_files, unify_schemas
 
@@ -46,6 +46,21 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan
     return InputPlan(paths, infos, units)
 
 
+def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokenizer") -> None:
+    """Fail on the driver, naming the path, when a local model directory is missing (hub names load in actors)."""
+    if name_or_path is None:
+        return
+    path = os.fspath(name_or_path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.path.exists(path)
+    if not looks_local:
+        return
+    local = os.path.expanduser(path)
+    if not os.path.isdir(local):
+        raise ModelLoadError(f"{what} directory not found: {path}")
+    if not any(os.path.isfile(os.path.join(local, f)) for f in ("tokenizer_config.json", "tokenizer.json")):
+        raise ModelLoadError(f"{what} directory has no tokenizer_config.json or tokenizer.json: {path}")
+
+
 def build_dataset(
     files: FilesArg,
     tokenizer: str | os.PathLike | None,
@@ -67,6 +82,7 @@ def build_dataset(
     cfg = DataConfig.from_any(config)
     if processor is not None:
         raise NotImplementedError("the processor (multimodal) path is not built yet; pass processor=None")
+    check_model_path(tokenizer)
     plan = plan or plan_input(files, cfg, epoch=epoch)
     from actors.tokenize import TokenizeActor
 

@@ -34,10 +34,14 @@ def filesystem_for(path: str, storage_options: dict | None = None) -> fsspec.Abs
     return fsspec.filesystem(protocol, **(storage_options or {}))
 
 
-def _qualify(fs: fsspec.AbstractFileSystem, protocol: str, path: str) -> str:
-    if protocol == "file":
-        return path
-    return fs.unstrip_protocol(path) if "://" not in path else path
+def _qualify(entry: str, protocol: str, found: str) -> str:
+    """A listed path as a full URL again: fsspec lists ``bucket/key`` or ``/path`` without scheme (and host)."""
+    if protocol == "file" or "://" in found:
+        return found
+    if protocol in ("hdfs", "webhdfs", "swebhdfs"):  # keep the namenode host:port of the entry
+        netloc = entry.split("://", 1)[1].split("/", 1)[0]
+        return f"{protocol}://{netloc}/{found.lstrip('/')}"
+    return f"{protocol}://{found}"
 
 
 def _describe(path: str) -> str:
@@ -79,7 +83,7 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
             raise
         except Exception as exc:  # permissions, bad endpoint, unreachable namenode, ...
             raise SourceError(f"cannot list: {type(exc).__name__}: {exc}", file=_describe(entry)) from None
-        out.extend(_qualify(fs, protocol, p) if p != entry else p for p in found)
+        out.extend(p if p == entry else _qualify(entry, protocol, p) for p in found)
     duplicates = sorted({p for p in out if out.count(p) > 1})
     if duplicates:
         raise SourceError(f"file listed more than once: {', '.join(duplicates[:3])}")
