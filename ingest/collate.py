@@ -49,7 +49,9 @@ class VerlCollate(ArrowBatchCollateFn):
             column = batch.column(name)
             if _is_tensor_column(column):
                 array = column.combine_chunks().to_numpy() if column.num_chunks != 1 else column.chunk(0).to_numpy()
-                tensor = torch.from_numpy(np.ascontiguousarray(array))
+                # Arrow buffers are read-only; verl's tensors are writable, so copy those that are not
+                array = np.ascontiguousarray(array)
+                tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
                 tensors[name] = tensor.to(self.device) if self.device is not None else tensor
             else:
                 others[name] = object_array(column.to_pylist(), one_dimensional=self.one_dimensional)

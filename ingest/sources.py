@@ -27,11 +27,11 @@ def protocol_of(path: str) -> str:
 
 
 def filesystem_for(path: str, storage_options: dict | None = None) -> fsspec.AbstractFileSystem:
-    """The fsspec filesystem for ``path`` (``s3a://`` is treated as ``s3://``)."""
-    protocol = protocol_of(path)
-    if protocol == "s3a":
-        protocol = "s3"
-    return fsspec.filesystem(protocol, **(storage_options or {}))
+    """The fsspec filesystem for ``path``, with options from the URL too (host:port for (web)hdfs)."""
+    if protocol_of(path) == "s3a":
+        path = "s3" + path[3:]
+    fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    return fs
 
 
 def _qualify(entry: str, protocol: str, found: str) -> str:
@@ -65,8 +65,8 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
     for entry in entries:
         entry = os.fspath(entry)
         protocol = protocol_of(entry)
-        fs = filesystem_for(entry, storage_options)
         try:
+            fs = filesystem_for(entry, storage_options)
             if any(ch in entry for ch in _GLOB_CHARS):
                 found = sorted(p for p in fs.glob(entry) if not fs.isdir(p))
                 if not found:
