@@ -1,5 +1,6 @@
 """Ray actor classes used by ``map_batches``. Each hosts a stage from ``ingest.stages``; no pipeline logic here."""
 
 from actors.tokenize import TokenizeActor
+from actors.vision import DecodeActor, VisionActor
 
-__all__ = ["TokenizeActor"]
+__all__ = ["DecodeActor", "TokenizeActor", "VisionActor"]

@@ -8,19 +8,29 @@ import pyarrow as pa
 
 from ingest.config import DataConfig
 from ingest.models import ChatTokenizer
+from ingest.offline import resolve_model_path
 from ingest.stages.tokenize import PromptTokenizeStage
 from ingest.stats import report_counts
+from ingest.vision import VisionSpec
 
 
 class TokenizeActor:
-    def __init__(self, tokenizer: str, config: dict, files: Sequence[str], ledger=None, keep_provenance=False):
+    def __init__(
+        self,
+        tokenizer: str | None,
+        config: dict,
+        files: Sequence[str],
+        processor: str | None = None,
+        ledger=None,
+        keep_provenance: bool = False,
+    ):
         cfg = DataConfig(**config)
-        self.stage = PromptTokenizeStage(
-            ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code), cfg, files, keep_provenance
-        )
+        vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
+        chat = ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code)
+        self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)
         self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows, counts = self.stage(batch)
-        report_counts(self.ledger, counts)
-        return rows
+        result = self.stage(batch)
+        report_counts(self.ledger, result.counts, result.quarantine)
+        return result.table

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pyarrow as pa
 from ray.data.collate_fn import ArrowBatchCollateFn
 from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType
+
+from ingest.vision import image_from_record, tensor_from_record
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
 
@@ -24,6 +27,26 @@ def object_array(values: list, *, one_dimensional: bool = False) -> np.ndarray:
     if one_dimensional:
         return np.fromiter(values, dtype=object, count=len(values))
     return np.array(values, dtype=object)
+
+
+def _media_data(value: dict | None) -> dict:
+    """``{"image": [PIL RGB]}`` rebuilt from the pixels carried in the block (only modalities the row has)."""
+    if not value:
+        return {}
+    return {kind: [image_from_record(r) for r in items] for kind, items in value.items() if items is not None}
+
+
+def _media_inputs(value: dict | None, device) -> dict:
+    import torch
+
+    if not value:
+        return {}
+    out = {}
+    for key, record in value.items():
+        if record is not None:
+            tensor = torch.from_numpy(tensor_from_record(record))
+            out[key] = tensor.to(device) if device is not None else tensor
+    return out
 
 
 class VerlCollate(ArrowBatchCollateFn):
@@ -54,7 +77,14 @@ class VerlCollate(ArrowBatchCollateFn):
                 tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
                 tensors[name] = tensor.to(self.device) if self.device is not None else tensor
             else:
-                others[name] = object_array(column.to_pylist(), one_dimensional=self.one_dimensional)
+                values = column.to_pylist()
+                if name == "multi_modal_data":
+                    values = [_media_data(v) for v in values]
+                elif name == "multi_modal_inputs":
+                    values = [_media_inputs(v, self.device) for v in values]
+                elif name == "raw_prompt" and pa.types.is_string(column.type):
+                    values = [json.loads(v) for v in values]  # processor path: split messages kept as JSON
+                others[name] = object_array(values, one_dimensional=self.one_dimensional)
         for key, default in ROW_DEFAULTS.items():
             if key not in others and batch.num_rows:
                 values = [copy.copy(default) for _ in range(batch.num_rows)]

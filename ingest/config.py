@@ -69,6 +69,16 @@ class DataConfig:
     tokenizer_pool_max_size: int = 2
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
     tokenizer_num_cpus: float = 0.5  # fractional, so read tasks still get a CPU on small machines
+    decode_pool_min_size: int = 1
+    decode_pool_max_size: int = 2
+    decode_num_cpus: float = 0.5
+    vision_pool_min_size: int = 1
+    vision_pool_max_size: int = 2
+    vision_num_cpus: float = 0.5
+    vision_num_gpus: float = 0.0  # > 0 puts the vision pool on GPU actors (fractional allowed)
+    vision_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when the actor sees a GPU)
+    vision_batch_size: int = 32
+    on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     storage_options: dict = dataclasses.field(default_factory=dict)  # filesystem kwargs (S3 endpoint, keys, ...)
     trust_remote_code: bool = False
 
@@ -82,6 +92,8 @@ class DataConfig:
                 "need 1 <= tokenizer_pool_min_size <= tokenizer_pool_max_size, got "
                 f"{self.tokenizer_pool_min_size}..{self.tokenizer_pool_max_size}"
             )
+        if self.on_bad_row not in ("quarantine", "raise"):
+            raise ValueError(f"on_bad_row must be 'quarantine' or 'raise', got {self.on_bad_row!r}")
         if self.read_rows_per_task < 1 or self.tokenizer_batch_size < 1:
             raise ValueError("read_rows_per_task and tokenizer_batch_size must be >= 1")
         self.max_prompt_length = int(self.max_prompt_length)

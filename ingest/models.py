@@ -90,6 +90,11 @@ class ChatTokenizer:
             special_tokens=self.special_tokens_map,
         )
 
+    def token_id(self, token: str) -> int | None:
+        if self._backend is not None:
+            return self._backend.token_to_id(token)
+        return self._hf.convert_tokens_to_ids(token)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``tokenizer(text, add_special_tokens=False)["input_ids"]`` for every text, in one backend call."""
         if self._backend is not None:

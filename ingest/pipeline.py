@@ -46,9 +46,17 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan
     return InputPlan(paths, infos, units)
 
 
+_MODEL_FILES = {
+    "tokenizer": ("tokenizer_config.json", "tokenizer.json"),
+    "processor": ("preprocessor_config.json", "processor_config.json"),
+}
+
+
 def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokenizer") -> None:
     """Fail on the driver, naming the path, when a local model directory is missing (hub names load in actors)."""
-    if name_or_path is None:
+    from ingest.offline import EMBEDDED_NAME
+
+    if name_or_path is None or os.fspath(name_or_path) == EMBEDDED_NAME:
         return
     path = os.fspath(name_or_path)
     looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.path.exists(path)
@@ -57,8 +65,9 @@ def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokeni
     local = os.path.expanduser(path)
     if not os.path.isdir(local):
         raise ModelLoadError(f"{what} directory not found: {path}")
-    if not any(os.path.isfile(os.path.join(local, f)) for f in ("tokenizer_config.json", "tokenizer.json")):
-        raise ModelLoadError(f"{what} directory has no tokenizer_config.json or tokenizer.json: {path}")
+    wanted = _MODEL_FILES[what]
+    if not any(os.path.isfile(os.path.join(local, f)) for f in wanted):
+        raise ModelLoadError(f"{what} directory has no {' or '.join(wanted)}: {path}")
 
 
 def build_dataset(
@@ -80,11 +89,11 @@ def build_dataset(
     depends only on (seed, epoch). ``ledger``: a ``RunLedger`` actor that receives per-batch counts.
     """
     cfg = DataConfig.from_any(config)
-    if processor is not None:
-        raise NotImplementedError("the processor (multimodal) path is not built yet; pass processor=None")
     check_model_path(tokenizer)
+    if processor is not None:
+        check_model_path(processor, "processor")
     plan = plan or plan_input(files, cfg, epoch=epoch)
-    from actors.tokenize import TokenizeActor
+    from actors import DecodeActor, TokenizeActor, VisionActor
 
     source = ParquetUnitsDatasource(
         plan.files,
@@ -99,12 +108,13 @@ def build_dataset(
     # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
     # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
     ds.context.raise_original_map_exception = True
-    return ds.map_batches(
+    ds = ds.map_batches(
         TokenizeActor,
         fn_constructor_kwargs={
             "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
             "config": cfg.to_dict(),
             "files": [_describe(p) for p in plan.files],
+            "processor": None if processor is None else os.fspath(processor),
             "ledger": ledger,
         },
         batch_size=cfg.tokenizer_batch_size,
@@ -112,4 +122,29 @@ def build_dataset(
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
         num_cpus=cfg.tokenizer_num_cpus,
+    )
+    if processor is None:
+        return ds
+    ds = ds.map_batches(
+        DecodeActor,
+        batch_size=cfg.vision_batch_size,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
+        num_cpus=cfg.decode_num_cpus,
+    )
+    gpu = {"num_gpus": cfg.vision_num_gpus} if cfg.vision_num_gpus else {}
+    return ds.map_batches(
+        VisionActor,
+        fn_constructor_kwargs={
+            "processor": os.fspath(processor),
+            "device": cfg.vision_device,  # "auto": cuda when Ray gave this actor a GPU, else cpu
+            "return_multi_modal_inputs": cfg.return_multi_modal_inputs,
+        },
+        batch_size=cfg.vision_batch_size,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.vision_pool_min_size, max_size=cfg.vision_pool_max_size),
+        num_cpus=cfg.vision_num_cpus,
+        **gpu,
     )

@@ -105,3 +105,142 @@ def write_gsm8k_parquet(
         paths.append(str(path))
         start += count
     return paths
+
+
+# --- geo3k-shaped multimodal rows (verl's examples/data_preprocess/geo3k.py layout) ----------------------------------
+
+GEO3K_INSTRUCTION = (
+    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+IMAGE_KINDS = ("png", "jpeg", "gray", "palette", "rgba", "tiny", "wide", "tall")
+
+
+def make_image(kind: str, rng: random.Random):
+    """A synthetic figure of one kind: (PIL image, format)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    if kind == "tiny":
+        w = h = 28
+    elif kind == "wide":
+        w, h = rng.randint(600, 900), rng.randint(28, 40)
+    elif kind == "tall":
+        w, h = rng.randint(28, 40), rng.randint(600, 900)
+    else:
+        w, h = rng.randint(64, 800), rng.randint(64, 800)
+    noise = np.random.default_rng(rng.randint(0, 2**31)).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    image = Image.fromarray(noise // 4 + 160)
+    draw = ImageDraw.Draw(image)
+    for _ in range(4):
+        x0, y0, x1, y1 = rng.randint(0, w), rng.randint(0, h), rng.randint(0, w), rng.randint(0, h)
+        draw.line([(x0, y0), (x1, y1)], fill=(rng.randint(0, 255), 0, rng.randint(0, 255)), width=2)
+    if kind == "gray":
+        return image.convert("L"), "PNG"
+    if kind == "palette":
+        return image.convert("P", palette=Image.Palette.ADAPTIVE, colors=32), "PNG"
+    if kind == "rgba":
+        alpha = Image.fromarray(np.random.default_rng(1).integers(0, 256, (h, w), dtype=np.uint8))
+        image.putalpha(alpha)
+        return image, "PNG"
+    return image, ("JPEG" if kind == "jpeg" else "PNG")
+
+
+def encode_image(image, fmt: str) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+HF_IMAGE_FEATURES = {
+    "data_source": {"dtype": "string", "_type": "Value"},
+    "prompt": {
+        "feature": {"role": {"dtype": "string", "_type": "Value"}, "content": {"dtype": "string", "_type": "Value"}},
+        "_type": "List",
+    },
+    "images": {"feature": {"_type": "Image"}, "_type": "List"},
+    "ability": {"dtype": "string", "_type": "Value"},
+    "reward_model": {
+        "style": {"dtype": "string", "_type": "Value"},
+        "ground_truth": {"dtype": "string", "_type": "Value"},
+    },
+    "extra_info": {
+        "split": {"dtype": "string", "_type": "Value"},
+        "index": {"dtype": "int64", "_type": "Value"},
+        "answer": {"dtype": "string", "_type": "Value"},
+        "question": {"dtype": "string", "_type": "Value"},
+    },
+}
+
+
+def geo3k_rows(n: int, *, seed: int = 0, kinds=IMAGE_KINDS, multi_every: int = 5, image_dir: str | None = None):
+    """Rows like verl's geo3k preprocessing: ``<image>`` in the prompt, ``images`` as HF ``Image()`` structs.
+
+    Every ``multi_every``-th row has two images; with ``image_dir`` every 7th row's images are stored as files and
+    referenced by path (``{"bytes": None, "path": ...}``), as HF datasets does for images loaded from disk.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        count = 2 if multi_every and i % multi_every == multi_every - 1 else 1
+        images = []
+        for k in range(count):
+            image, fmt = make_image(kinds[(i + k) % len(kinds)], rng)
+            data = encode_image(image, fmt)
+            if image_dir is not None and i % 7 == 3:
+                path = Path(image_dir) / f"img-{seed}-{i}-{k}.{fmt.lower()}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                images.append({"bytes": None, "path": str(path)})
+            else:
+                images.append({"bytes": data, "path": None})
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        problem = "<image>" * count + f"Find x if the angle is {a} and the side is {b}."
+        rows.append(
+            {
+                "data_source": "hiyouga/geometry3k",
+                "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+                "images": images,
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i, "answer": str(a + b), "question": problem},
+            }
+        )
+    return rows
+
+
+def write_geo3k_parquet(
+    out_dir: str | os.PathLike, num_rows: int, *, num_files: int = 1, seed: int = 0, row_group_size: int = 100, **kw
+) -> list[str]:
+    """geo3k-shaped Parquet with the HF ``Image()`` feature metadata, so HF datasets (verl) loads PIL images."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = geo3k_rows(num_rows, seed=seed, image_dir=str(out / "images"), **kw)
+    image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("images", pa.list_(image_struct)),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
+                ),
+            ),
+        ],
+        metadata={"huggingface": json.dumps({"info": {"features": HF_IMAGE_FEATURES}})},
+    )
+    paths, per_file = [], -(-num_rows // num_files)
+    for k in range(num_files):
+        chunk = rows[k * per_file : (k + 1) * per_file]
+        path = out / f"geo3k-{k:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(chunk, schema=schema), path, row_group_size=row_group_size)
+        paths.append(str(path))
+    return paths

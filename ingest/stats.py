@@ -16,18 +16,23 @@ class RunLedger:
 
     def __init__(self):
         self.counts = BatchCounts()
+        self.records: list[dict] = []
 
-    def add(self, counts: dict) -> None:
+    def add(self, counts: dict, quarantine: list | None = None) -> None:
         self.counts.add(BatchCounts(**counts))
+        self.records.extend(quarantine or [])
 
     def get(self) -> dict:
         return dataclasses.asdict(self.counts)
 
+    def quarantine(self) -> list[dict]:
+        return list(self.records)
 
-def report_counts(ledger, counts: BatchCounts) -> None:
+
+def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None) -> None:
     # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
     if ledger is not None:
-        ray.get(ledger.add.remote(dataclasses.asdict(counts)))
+        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or []))
 
 
 @dataclasses.dataclass

@@ -2,13 +2,17 @@
 
 One encode per prompt gives everything verl computes with three (the filter's ``apply_chat_template(tokenize=True)``,
 ``__getitem__``'s ``tokenizer(raw_prompt)`` and ``tokenizer.encode(raw_prompt)``): on the text path they are the
-same ids. Overlong rows are dropped here, in-stream, from the lengths just computed.
+same ids. On the processor path the unexpanded ids are ``raw_prompt_ids`` and ``input_ids`` repeats each image pad
+id as many times as the image's grid asks (what the processor's string expansion + tokenization yields, because pad
+tokens are special tokens); the grid comes from the image header and the processor geometry, so the overlong filter
+runs before any pixel work and nothing is processed twice. Overlong rows are dropped here, in-stream.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +30,20 @@ from ingest.rowformat import (
     text_position_ids,
     truncate,
 )
+from ingest.vision import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VISION_START,
+    VisionSpec,
+    grid_tokens,
+    image_grid,
+    image_size,
+    read_image_bytes,
+    rope_position_ids,
+)
+
+MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage
+IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed here, checked by the vision stage
 
 
 @dataclass
@@ -34,88 +52,226 @@ class BatchCounts:
     rows_out: int = 0
     filtered_overlong: int = 0
     quarantined: int = 0
-    prompt_tokens: int = 0  # tokens of the kept prompts, before truncation
+    prompt_tokens: int = 0  # tokens of the kept prompts (expanded), before truncation
 
     def add(self, other: BatchCounts) -> None:
         for key, value in vars(other).items():
             setattr(self, key, getattr(self, key) + value)
 
 
-class PromptTokenizeStage:
-    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl rows (text path)."""
+@dataclass
+class StageResult:
+    table: pa.Table
+    counts: BatchCounts
+    quarantine: list[dict] = field(default_factory=list)
 
-    def __init__(self, tokenizer: ChatTokenizer, config: DataConfig, files: Sequence[str], keep_provenance=False):
+
+def quarantine_record(error: BadRowError, row: dict | None) -> dict:
+    """A quarantine record: where, why, and the original row as JSON where it can be serialised."""
+    try:
+        original = json.dumps(row, ensure_ascii=False, default=lambda v: f"<{type(v).__name__}>")[:65536]
+    except Exception:
+        original = None
+    return {"file": error.file, "row": error.row, "column": error.column, "reason": error.reason, "original": original}
+
+
+class PromptTokenizeStage:
+    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl rows.
+
+    ``vision``: the processor geometry on the processor path (None on the text path). Bad rows are quarantined
+    (``on_bad_row="quarantine"``, default) or raise ``BadRowError`` (``"raise"``). ``truncation="error"`` on an
+    overlong prompt always raises, as in verl.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        config: DataConfig,
+        files: Sequence[str],
+        vision: VisionSpec | None = None,
+        keep_provenance: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.config = config
         self.files = list(files)
+        self.vision = vision
         self.keep_provenance = keep_provenance
         if tokenizer.pad_token_id is None:
             raise BadRowError(f"tokenizer {tokenizer.path!r} has neither a pad nor an eos token")
+        if vision is not None:
+            ids = [tokenizer.token_id(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)]
+            self.image_pad_id, self.video_pad_id, self.vision_start_id = ids
 
-    def _where(self, table: pa.Table, i: int) -> dict:
-        return {
-            "file": self.files[table.column(FILE_COLUMN)[i].as_py()],
-            "row": table.column(ROW_COLUMN)[i].as_py(),
-            "column": self.config.prompt_key,
-        }
+    def _error(self, table: pa.Table, i: int, reason: str, column: str | None = None) -> BadRowError:
+        return BadRowError(
+            reason,
+            file=self.files[table.column(FILE_COLUMN)[i].as_py()],
+            row=table.column(ROW_COLUMN)[i].as_py(),
+            column=column or self.config.prompt_key,
+        )
 
-    def __call__(self, table: pa.Table) -> tuple[pa.Table, BatchCounts]:
+    def __call__(self, table: pa.Table) -> StageResult:
         cfg = self.config
+        n = table.num_rows
         if cfg.prompt_key not in table.column_names:
-            raise BadRowError(f"no prompt column (columns: {', '.join(table.column_names)})", **self._where(table, 0))
+            raise self._error(table, 0, f"no prompt column (columns: {', '.join(table.column_names)})")
         has_media = cfg.image_key in table.column_names or cfg.video_key in table.column_names
         prompts = table.column(cfg.prompt_key).to_pylist()
-        texts = []
+        images = (
+            table.column(cfg.image_key).to_pylist() if self.vision and cfg.image_key in table.column_names else None
+        )
+        bad: dict[int, BadRowError] = {}
+        texts: list[str] = [""] * n
+        messages_out: list = [None] * n
+        media_bytes: list[list[bytes]] = [[] for _ in range(n)]
+        grids: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         for i, messages in enumerate(prompts):
             problem = validate_messages(messages)
             if problem is not None:
-                raise BadRowError(problem, **self._where(table, i))
+                bad[i] = self._error(table, i, problem)
+                continue
             try:
-                texts.append(self.tokenizer.render(build_messages(messages, has_media_column=has_media)))
+                messages = build_messages(messages, has_media_column=has_media)
+                texts[i] = self.tokenizer.render(messages)
+                messages_out[i] = messages
             except Exception as exc:
-                raise BadRowError(
-                    f"chat template failed: {type(exc).__name__}: {exc}", **self._where(table, i)
-                ) from None
-        ids = self.tokenizer.encode_batch(texts)
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        max_len = cfg.max_prompt_length
+                bad[i] = self._error(table, i, f"chat template failed: {type(exc).__name__}: {exc}")
+                continue
+            if images is not None and images[i] is not None:
+                try:
+                    for value in images[i]:
+                        data = read_image_bytes(value, cfg.storage_options)
+                        width, height = image_size(data)
+                        media_bytes[i].append(data)
+                        grids[i].append(image_grid(width, height, self.vision))
+                except Exception as exc:
+                    bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", cfg.image_key)
 
-        keep = lengths <= max_len if cfg.filter_overlong_prompts else np.ones(len(ids), dtype=bool)
+        ids = self.tokenizer.encode_batch(texts)
+        expanded_lengths = np.zeros(n, dtype=np.int64)
+        for i, row_ids in enumerate(ids):
+            extra = 0
+            if self.vision is not None and i not in bad:
+                placeholders = row_ids.count(self.image_pad_id)
+                if placeholders != len(grids[i]):
+                    bad[i] = self._error(
+                        table, i, f"{placeholders} <image> placeholders for {len(grids[i])} images", cfg.image_key
+                    )
+                    continue
+                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i])
+            expanded_lengths[i] = len(row_ids) + extra
+
+        if bad and cfg.on_bad_row == "raise":
+            raise bad[min(bad)]
+        valid = np.ones(n, dtype=bool)
+        valid[list(bad)] = False
+        max_len = cfg.max_prompt_length
+        overlong = valid & (expanded_lengths > max_len)
+        keep = valid & ~overlong if cfg.filter_overlong_prompts else valid
         if cfg.truncation == "error":
-            over = np.flatnonzero(keep & (lengths > max_len))
+            over = np.flatnonzero(keep & overlong)
             if over.size:
                 i = int(over[0])
-                raise BadRowError(
-                    f"prompt is {lengths[i]} tokens, longer than max_prompt_length={max_len} with truncation='error' "
-                    "(set data.truncation to left/right/middle or data.filter_overlong_prompts=true)",
-                    **self._where(table, i),
+                raise self._error(
+                    table,
+                    i,
+                    f"prompt is {expanded_lengths[i]} tokens, longer than max_prompt_length={max_len} with "
+                    "truncation='error' (set data.truncation to left/right/middle or "
+                    "data.filter_overlong_prompts=true)",
                 )
-        counts = BatchCounts(rows_in=table.num_rows, filtered_overlong=int((~keep).sum()))
-        if not keep.all():
-            kept = np.flatnonzero(keep)
+        counts = BatchCounts(
+            rows_in=n,
+            quarantined=len(bad),
+            filtered_overlong=int((valid & ~keep).sum()),
+        )
+        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
+        kept = np.flatnonzero(keep)
+        counts.rows_out = len(kept)
+        counts.prompt_tokens = int(expanded_lengths[kept].sum())
+        if len(kept) != n:
             table = table.take(kept)
-            ids = [ids[i] for i in kept]
-            texts = [texts[i] for i in kept]
-            lengths = lengths[kept]
-        counts.rows_out = table.num_rows
-        counts.prompt_tokens = int(lengths.sum())
-        return self._rows(table, ids, texts), counts
+        rows = self._rows(
+            table,
+            [ids[i] for i in kept],
+            [texts[i] for i in kept],
+            [messages_out[i] for i in kept],
+            [media_bytes[i] for i in kept],
+            [grids[i] for i in kept],
+            has_media,
+        )
+        return StageResult(rows, counts, quarantine)
 
-    def _rows(self, table: pa.Table, ids: list[list[int]], texts: list[str]) -> pa.Table:
+    def _expand(self, row_ids: list[int], grids: list) -> list[int]:
+        if not grids:
+            return row_ids
+        out: list[int] = []
+        k = 0
+        for token in row_ids:
+            if token == self.image_pad_id:
+                out.extend([token] * grid_tokens(grids[k], self.vision))
+                k += 1
+            else:
+                out.append(token)
+        return out
+
+    def _rows(self, table, ids, texts, messages, media_bytes, grids, has_media) -> pa.Table:
         cfg = self.config
-        truncated = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
-        input_ids, attention_mask = left_pad(truncated, cfg.max_prompt_length, self.tokenizer.pad_token_id)
-        position_ids = text_position_ids(attention_mask)
+        raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
+        if self.vision is None:
+            model_ids = raw_prompt_ids
+        else:
+            model_ids = [
+                truncate(self._expand(x, g), cfg.max_prompt_length, cfg.truncation)
+                for x, g in zip(ids, grids, strict=True)
+            ]
+        input_ids, attention_mask = left_pad(model_ids, cfg.max_prompt_length, self.tokenizer.pad_token_id)
+        if self.vision is not None and self.vision.is_qwen2_vl:
+            position_ids = (
+                np.stack(
+                    [
+                        rope_position_ids(
+                            input_ids[i],
+                            attention_mask[i],
+                            grids[i],
+                            [],
+                            image_token_id=self.image_pad_id,
+                            video_token_id=self.video_pad_id,
+                            vision_start_token_id=self.vision_start_id,
+                            merge_size=self.vision.merge_size,
+                        )
+                        for i in range(len(model_ids))
+                    ]
+                )
+                if model_ids
+                else np.zeros((0, 3, cfg.max_prompt_length), dtype=np.int64)
+            )
+        else:
+            position_ids = text_position_ids(attention_mask)
 
         drop = {cfg.prompt_key} | (set() if self.keep_provenance else set(PROVENANCE_COLUMNS))
+        if self.vision is not None:
+            drop |= {cfg.image_key, cfg.video_key}
         columns = {name: table.column(name) for name in table.column_names if name not in drop}
+        if self.vision is not None:
+            columns[MEDIA_BYTES_COLUMN] = pa.array(media_bytes, type=pa.list_(pa.large_binary()))
+            columns[IMAGE_GRIDS_COLUMN] = pa.array(grids, type=pa.list_(pa.list_(pa.int64(), 3)))
         columns["input_ids"] = tensor_column(input_ids)
         columns["attention_mask"] = tensor_column(attention_mask)
         columns["position_ids"] = tensor_column(position_ids)
-        columns["raw_prompt_ids"] = list_column(truncated)
+        columns["raw_prompt_ids"] = list_column(raw_prompt_ids)
         if cfg.return_raw_chat:
-            columns["raw_prompt"] = table.column(cfg.prompt_key)
+            if has_media:  # content lists after the <image> split: JSON keeps their exact keys (no null fields)
+                columns["raw_prompt"] = pa.array([json.dumps(m, ensure_ascii=False) for m in messages], pa.string())
+            else:
+                columns["raw_prompt"] = table.column(cfg.prompt_key)
         if cfg.return_full_prompt:
             columns["full_prompts"] = pa.array(texts, type=pa.string())
         columns.update(extra_info_columns(table))
         return pa.table(columns)
+
+
+def _row_dict(table: pa.Table, i: int) -> dict | None:
+    try:
+        return {k: v for k, v in table.slice(i, 1).to_pylist()[0].items() if k not in PROVENANCE_COLUMNS}
+    except Exception:
+        return None

@@ -1,0 +1,231 @@
+"""Vision logic shared by the multimodal stages: the processor's geometry, image decoding, Qwen2-VL rope positions.
+
+Nothing here imports transformers: the tokenize stage needs only the processor's numbers (patch / merge size, pixel
+budget) to know how many pad tokens each image expands to, so it reads them from the saved JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The image processor's geometry (Qwen2-VL family), read from a processor directory."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    processor_class: str = "Qwen2VLImageProcessor"
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> VisionSpec:
+        path = Path(path)
+        config: dict = {}
+        if (path / "preprocessor_config.json").is_file():
+            config = json.loads((path / "preprocessor_config.json").read_text())
+        elif (path / "processor_config.json").is_file():
+            config = json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
+        size = config.get("size") or {}
+        return cls(
+            patch_size=int(config.get("patch_size", 14)),
+            merge_size=int(config.get("merge_size", 2)),
+            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+            processor_class=str(config.get("image_processor_type", "Qwen2VLImageProcessor")),
+        )
+
+    @property
+    def is_qwen2_vl(self) -> bool:
+        # verl 0.5.0 switches to 3-row rope positions when the processor class name contains this
+        return "Qwen2VLImageProcessor" in self.processor_class
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize target (transformers ``smart_resize``): multiples of ``factor`` within the pixel budget."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(width: int, height: int, spec: VisionSpec) -> tuple[int, int, int]:
+    """``image_grid_thw`` of one image: (1, H / patch, W / patch) after ``smart_resize``."""
+    h, w = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+    return 1, h // spec.patch_size, w // spec.patch_size
+
+
+def grid_tokens(grid: tuple[int, int, int], spec: VisionSpec) -> int:
+    """How many pad tokens one image expands to in ``input_ids``."""
+    return int(np.prod(grid)) // (spec.merge_size**2)
+
+
+# --- image values as they appear in Parquet -------------------------------------------------------------------------
+
+
+def image_source(value) -> tuple[bytes | None, str | None]:
+    """(encoded bytes, path) of one image value: an HF ``Image()`` struct ``{bytes, path}``, raw bytes or a path."""
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value), None
+    if isinstance(value, str):
+        return None, value
+    raise ValueError(f"unsupported image value of type {type(value).__name__}")
+
+
+def read_image_bytes(value, storage_options: dict | None = None) -> bytes:
+    data, path = image_source(value)
+    if data:
+        return data
+    if not path:
+        raise ValueError("image has neither bytes nor a path")
+    from ingest.sources import filesystem_for, protocol_of
+
+    if protocol_of(path) == "file":
+        with open(path.removeprefix("file://"), "rb") as f:
+            return f.read()
+    with filesystem_for(path, storage_options).open(path, "rb") as f:
+        return f.read()
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from the header only (no pixel decode)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    if width < 1 or height < 1:
+        raise ValueError(f"image has zero size ({width}x{height})")
+    return width, height
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+# --- Qwen2-VL rope positions (verl.models.transformers.qwen2_vl.get_rope_index, in numpy) ---------------------------
+
+
+def rope_position_ids(
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    image_grids: list,
+    video_grids: list,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+    merge_size: int,
+) -> np.ndarray:
+    """(3, M) int64 position ids for one row; pads get 1. Videos use 1.0 s per grid (second_per_grid_ts dropped)."""
+    m = input_ids.shape[0]
+    if not image_grids and not video_grids:
+        position = np.cumsum(attention_mask) - 1
+        position[attention_mask == 0] = 1
+        return np.broadcast_to(position, (3, m)).astype(np.int64)
+    positions = np.ones((3, m), dtype=np.int64)
+    tokens = input_ids[attention_mask == 1]
+    starts = np.flatnonzero(tokens == vision_start_token_id)
+    following = tokens[starts + 1] if starts.size else np.array([], dtype=tokens.dtype)
+    remain_images = int((following == image_token_id).sum())
+    remain_videos = int((following == video_token_id).sum())
+    token_list = tokens.tolist()
+    parts: list[np.ndarray] = []
+    st, image_index, video_index = 0, 0, 0
+    for _ in range(remain_images + remain_videos):
+        ed_image = token_list.index(image_token_id, st) if remain_images > 0 and image_token_id in token_list else None
+        ed_video = token_list.index(video_token_id, st) if remain_videos > 0 and video_token_id in token_list else None
+        ed_image = len(token_list) + 1 if ed_image is None else ed_image
+        ed_video = len(token_list) + 1 if ed_video is None else ed_video
+        if ed_image < ed_video:
+            t, h, w = image_grids[image_index]
+            second_per_grid = 0.0
+            image_index, remain_images, ed = image_index + 1, remain_images - 1, ed_image
+        else:
+            t, h, w = video_grids[video_index]
+            second_per_grid = 1.0
+            video_index, remain_videos, ed = video_index + 1, remain_videos - 1, ed_video
+        gt, gh, gw = int(t), int(h) // merge_size, int(w) // merge_size
+        text_len = ed - st
+        st_idx = int(parts[-1].max()) + 1 if parts else 0
+        parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + st_idx)
+        t_index = (np.repeat(np.arange(gt), gh * gw) * second_per_grid * 2).astype(np.int64)
+        h_index = np.tile(np.repeat(np.arange(gh), gw), gt)
+        w_index = np.tile(np.arange(gw), gt * gh)
+        parts.append(np.stack([t_index, h_index, w_index]) + text_len + st_idx)
+        st = ed + gt * gh * gw
+    if st < len(token_list):
+        st_idx = int(parts[-1].max()) + 1 if parts else 0
+        text_len = len(token_list) - st
+        parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + st_idx)
+    positions[:, attention_mask == 1] = np.concatenate(parts, axis=1).reshape(3, -1)
+    return positions
+
+
+# --- tensors and images inside Arrow blocks (plain structs, no pickled objects) -------------------------------------
+
+TENSOR_STRUCT = pa.struct([("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.large_binary())])
+IMAGE_STRUCT = pa.struct([("width", pa.int32()), ("height", pa.int32()), ("rgb", pa.large_binary())])
+
+
+def tensor_record(array: np.ndarray) -> dict:
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": array.tobytes()}
+
+
+def tensor_from_record(record: dict) -> np.ndarray:
+    array = np.frombuffer(record["data"], dtype=np.dtype(record["dtype"])).reshape(record["shape"])
+    return array.copy()  # writable, like the processor's own tensors
+
+
+def image_record(rgb: np.ndarray) -> dict:
+    height, width = rgb.shape[:2]
+    return {"width": width, "height": height, "rgb": np.ascontiguousarray(rgb).tobytes()}
+
+
+def image_from_record(record: dict):
+    from PIL import Image
+
+    return Image.frombytes("RGB", (record["width"], record["height"]), record["rgb"])
+
+
+def is_tensor_record(value) -> bool:
+    return isinstance(value, dict) and value.keys() == {"dtype", "shape", "data"}
+
+
+def is_image_record(value) -> bool:
+    return isinstance(value, dict) and value.keys() == {"width", "height", "rgb"}
