@@ -35,7 +35,8 @@ def ensure_sample(out_dir: Path | None = None, rows: int = DEFAULT_SAMPLE_ROWS, 
 def load_run_config(path: str | None) -> tuple[dict, dict]:
     """(data section, run section) from a YAML file: a verl config (``data:`` section) or flat data keys.
 
-    Run keys (top level): ``files``, ``tokenizer``, ``output``; verl's ``data.train_files`` / ``data.tokenizer`` and
+    Run keys (top level): ``files``, ``tokenizer``, ``processor``, ``output``, ``quarantine_dir``; verl's
+    ``data.train_files`` / ``data.tokenizer`` and
     ``actor_rollout_ref.model.path`` are read too.
     """
     if not path:
@@ -56,7 +57,7 @@ def load_run_config(path: str | None) -> tuple[dict, dict]:
     return data, run
 
 
-RUN_KEYS = ("files", "tokenizer", "output")
+RUN_KEYS = ("files", "tokenizer", "processor", "output", "quarantine_dir")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -70,7 +71,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"[ingest] no --files: using the embedded sample ({len(files)} files, {DEFAULT_SAMPLE_ROWS:,} rows)")
     tokenizer = args.tokenizer or run.get("tokenizer") or EMBEDDED_NAME
     output = args.output or run.get("output")
-    summary = run_pipeline(files, None if tokenizer == EMBEDDED_NAME else tokenizer, data, output=output)
+    processor = args.processor or run.get("processor")
+    summary = run_pipeline(
+        files,
+        None if tokenizer == EMBEDDED_NAME else tokenizer,
+        data,
+        processor=processor,
+        output=output,
+        quarantine_dir=args.quarantine_dir or run.get("quarantine_dir"),
+    )
     print(summary.format())
     print("INGEST_SUMMARY " + json.dumps(summary.to_dict()))
     if args.summary_json:
@@ -96,9 +105,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ingest.bench import bench_text
+    from ingest.bench import bench_mm, bench_text
 
-    result = bench_text(rows=args.rows, work_dir=args.work_dir, skip_verl=args.skip_verl)
+    if args.kind == "mm":
+        result = bench_mm(rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl)
+    else:
+        result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -111,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="YAML: a verl config (its data: section) or flat data keys")
     run.add_argument("--files", nargs="+", help="Parquet paths, directories or globs (local, s3://, hdfs://)")
     run.add_argument("--tokenizer", help="model directory or hub name (default: the embedded offline Qwen2-VL)")
+    run.add_argument("--processor", help="processor directory or hub name: the multimodal path (embedded:qwen2-vl)")
     run.add_argument("--output", help="write the processed rows as Parquet under this directory")
+    run.add_argument("--quarantine-dir", help="where quarantine.parquet goes (default: --output)")
     run.add_argument("--summary-json", help="also write the run summary as JSON here")
     run.set_defaults(func=cmd_run)
 
@@ -129,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=cmd_sample)
 
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text"])
-    bench.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000])
+    bench.add_argument("kind", choices=["text", "mm"])
+    bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")
     bench.set_defaults(func=cmd_bench)

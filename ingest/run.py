@@ -53,12 +53,31 @@ class _PartWriter:
             self.writer = None
 
 
+def write_quarantine(records: list[dict], out_dir: str) -> str:
+    """The quarantine records (file, row, column, reason, original row as JSON) as ``quarantine.parquet``."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "quarantine.parquet")
+    schema = pa.schema(
+        [
+            ("file", pa.string()),
+            ("row", pa.int64()),
+            ("column", pa.string()),
+            ("reason", pa.string()),
+            ("original", pa.string()),
+        ]
+    )
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    return path
+
+
 def run_pipeline(
     files,
     tokenizer,
     config: DataConfig | dict | None = None,
     *,
+    processor=None,
     output: str | None = None,
+    quarantine_dir: str | None = None,
     batch_size: int = 256,
 ) -> RunSummary:
     ensure_ray()
@@ -66,7 +85,7 @@ def run_pipeline(
     started = time.perf_counter()
     plan = plan_input(files, cfg)
     ledger = RunLedger.remote()
-    ds = build_dataset(plan.files, tokenizer, cfg, ledger=ledger, plan=plan)
+    ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
     summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output)
     writer = _PartWriter(output) if output else None
     try:
@@ -84,6 +103,9 @@ def run_pipeline(
     summary.quarantined = counts["quarantined"]
     summary.prompt_tokens = counts["prompt_tokens"]
     summary.finish(started)
+    records = ray.get(ledger.quarantine.remote()) if summary.quarantined else []
+    if records and (quarantine_dir or output):
+        summary.quarantine_file = write_quarantine(records, quarantine_dir or output)
     if counts["rows_in"] != summary.rows_in or counts["rows_out"] != summary.rows_out:
         raise RuntimeError(
             f"row accounting mismatch: planned {summary.rows_in} rows in, stages saw {counts['rows_in']}; "

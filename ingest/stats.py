@@ -48,6 +48,7 @@ class RunSummary:
     rows_per_s: float = 0.0
     tokens_per_s: float = 0.0
     output_dir: str | None = None
+    quarantine_file: str | None = None
 
     @property
     def accounted(self) -> bool:
@@ -79,4 +80,6 @@ class RunSummary:
         ]
         if self.output_dir:
             lines.append(f"output             {self.output_dir}")
+        if self.quarantine_file:
+            lines.append(f"quarantine records {self.quarantine_file}")
         return "\n".join(lines)

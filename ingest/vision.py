@@ -129,12 +129,49 @@ def image_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-def decode_rgb(data: bytes) -> np.ndarray:
-    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8."""
+def decode_rgb(data: bytes) -> tuple[np.ndarray, dict]:
+    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        return np.asarray(image.convert("RGB"))
+        rgb = image.convert("RGB")
+        return np.asarray(rgb), dict(rgb.info)
+
+
+def _encode_info(value):
+    """PIL ``info`` values as JSON that keeps tuples and bytes apart from lists and strings."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode_info(v) for v in value]}
+    if isinstance(value, bytes):
+        import base64
+
+        return {"__bytes__": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {"__dict__": {str(k): _encode_info(v) for k, v in value.items()}}
+    if isinstance(value, list):
+        return [_encode_info(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return {"__float__": float(value)} if hasattr(value, "__float__") else str(value)
+
+
+def _decode_info(value):
+    if isinstance(value, list):
+        return [_decode_info(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(_decode_info(v) for v in value["__tuple__"])
+        if "__bytes__" in value:
+            import base64
+
+            return base64.b64decode(value["__bytes__"])
+        if "__dict__" in value:
+            return {k: _decode_info(v) for k, v in value["__dict__"].items()}
+        if "__float__" in value:
+            from PIL.TiffImagePlugin import IFDRational
+
+            return IFDRational(value["__float__"])
+    return value
 
 
 # --- Qwen2-VL rope positions (verl.models.transformers.qwen2_vl.get_rope_index, in numpy) ---------------------------
@@ -199,7 +236,9 @@ def rope_position_ids(
 # --- tensors and images inside Arrow blocks (plain structs, no pickled objects) -------------------------------------
 
 TENSOR_STRUCT = pa.struct([("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.large_binary())])
-IMAGE_STRUCT = pa.struct([("width", pa.int32()), ("height", pa.int32()), ("rgb", pa.large_binary())])
+IMAGE_STRUCT = pa.struct(
+    [("width", pa.int32()), ("height", pa.int32()), ("rgb", pa.large_binary()), ("info", pa.string())]
+)
 
 
 def tensor_record(array: np.ndarray) -> dict:
@@ -212,15 +251,20 @@ def tensor_from_record(record: dict) -> np.ndarray:
     return array.copy()  # writable, like the processor's own tensors
 
 
-def image_record(rgb: np.ndarray) -> dict:
+def image_record(rgb: np.ndarray, info: dict | None = None) -> dict:
     height, width = rgb.shape[:2]
-    return {"width": width, "height": height, "rgb": np.ascontiguousarray(rgb).tobytes()}
+    info_json = json.dumps(_encode_info(info or {}))
+    return {"width": width, "height": height, "rgb": np.ascontiguousarray(rgb).tobytes(), "info": info_json}
 
 
 def image_from_record(record: dict):
+    """The PIL image verl would hold: same mode, size, pixels and ``info`` (file metadata such as JFIF, dpi)."""
     from PIL import Image
 
-    return Image.frombytes("RGB", (record["width"], record["height"]), record["rgb"])
+    image = Image.frombytes("RGB", (record["width"], record["height"]), record["rgb"])
+    if record.get("info"):
+        image.info.update(_decode_info(json.loads(record["info"])))
+    return image
 
 
 def is_tensor_record(value) -> bool:
@@ -228,4 +272,4 @@ def is_tensor_record(value) -> bool:
 
 
 def is_image_record(value) -> bool:
-    return isinstance(value, dict) and value.keys() == {"width", "height", "rgb"}
+    return isinstance(value, dict) and value.keys() == {"width", "height", "rgb", "info"}

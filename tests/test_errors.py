@@ -36,9 +36,12 @@ def test_missing_prompt_column(ray_session, model_dir, tmp_path):
     assert str(info.value).startswith(f"file {path}, column 'prompt': no prompt column 'prompt'")
 
 
+STRICT = {"shuffle": False, "on_bad_row": "raise"}
+
+
 def test_prompt_not_a_message_list(ray_session, model_dir, tmp_path):
     path = _write(tmp_path / "strprompt.parquet", [{"prompt": "just a string", "data_source": "x"}])
-    err = _consume_error(build_dataset(path, model_dir, {"shuffle": False}))
+    err = _consume_error(build_dataset(path, model_dir, STRICT))
     assert (err.file, err.row, err.column) == (path, 0, "prompt")
     assert "list of chat messages" in str(err)
 
@@ -47,9 +50,29 @@ def test_message_without_role_names_its_row(ray_session, model_dir, tmp_path):
     rows = [_good(i) for i in range(5)]
     rows[3]["prompt"] = [{"role": None, "content": "no role"}]
     path = _write(tmp_path / "norole.parquet", rows)
-    err = _consume_error(build_dataset(path, model_dir, {"shuffle": False}))
+    err = _consume_error(build_dataset(path, model_dir, STRICT))
     assert (err.file, err.row, err.column) == (path, 3, "prompt")
     assert "no 'role'" in err.reason
+
+
+def test_bad_prompt_is_quarantined_by_default(ray_session, model_dir, tmp_path):
+    import ray
+
+    from ingest.stats import RunLedger
+
+    rows = [_good(i) for i in range(5)]
+    rows[1]["prompt"] = []
+    rows[3]["prompt"] = [{"role": "user", "content": None}]
+    path = _write(tmp_path / "mixed.parquet", rows)
+    ledger = RunLedger.remote()
+    batches = collect(build_dataset(path, model_dir, {"shuffle": False}, ledger=ledger))
+    assert [int(i) for b in batches for i in b["index"]] == [0, 2, 4]
+    records = ray.get(ledger.quarantine.remote())
+    assert [(r["file"], r["row"], r["column"]) for r in records] == [(path, 1, "prompt"), (path, 3, "prompt")]
+    assert records[0]["reason"] == "prompt is an empty message list"
+    assert records[1]["reason"] == "message 0 (user) has content NoneType, expected a string"
+    counts = ray.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (5, 3, 2)
 
 
 def test_unreadable_file(ray_session, model_dir, tmp_path):

@@ -29,6 +29,12 @@ def _processor(path):
 
 def main():
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
+    import torch
+
+    # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch
+    # ops on its intra-op thread pool deadlocks. One thread per process keeps the fork safe (results are the same).
+    if mode == "rows":
+        torch.set_num_threads(1)
     import transformers
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn

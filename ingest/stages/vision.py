@@ -29,7 +29,7 @@ class DecodeStage:
         if MEDIA_BYTES_COLUMN not in table.column_names:
             return table
         encoded = table.column(MEDIA_BYTES_COLUMN).to_pylist()
-        data = [{"image": [image_record(decode_rgb(b)) for b in images]} for images in encoded]
+        data = [{"image": [image_record(*decode_rgb(b)) for b in images]} for images in encoded]
         index = table.column_names.index(MEDIA_BYTES_COLUMN)
         return table.set_column(index, MULTI_MODAL_DATA, pa.array(data, type=_DATA_TYPE))
 
@@ -55,7 +55,7 @@ class VisionStage:
     def pixel_values(self, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
-        tensors = [torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1) for rgb in images]
+        tensors = [torch.from_numpy(np.array(rgb)).permute(2, 0, 1) for rgb in images]  # writable copies
         out = self.image_processor(images=tensors, return_tensors="pt", device=self.device)
         return out["pixel_values"].float().cpu().numpy(), out["image_grid_thw"].cpu().numpy().astype(np.int64)
 

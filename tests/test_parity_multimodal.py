@@ -1,0 +1,156 @@
+"""Multimodal parity with verl 0.5.0 (geo3k-shaped data written with the HF Image() feature), bad media, GPU wiring."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from ingest import BadRowError, build_dataset
+from ingest.errors import find_ingest_error
+from ingest.oracle import oracle_available, run_verl
+from ingest.sample import IMAGE_KINDS, encode_image, make_image, write_geo3k_parquet
+from ingest.stats import RunLedger
+from tests.conftest import collect
+from tests.helpers import assert_same_batches
+
+CONFIGS = [
+    {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},
+    {"truncation": "right", "filter_overlong_prompts": True, "return_full_prompt": True, "max_prompt_length": 1536},
+    {
+        "truncation": "left",
+        "filter_overlong_prompts": True,
+        "return_multi_modal_inputs": False,
+        "max_prompt_length": 2048,
+    },
+]
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def geo3k_files(tmp_path_factory):
+    return write_geo3k_parquet(tmp_path_factory.mktemp("geo3k"), 48, num_files=2, row_group_size=12)
+
+
+@pytest.fixture(scope="module")
+def oracle_mm(geo3k_files, model_dir, tmp_path_factory):
+    if not oracle_available():
+        pytest.skip("verl 0.5.0 oracle not installed (make oracle)")
+    cache = str(tmp_path_factory.mktemp("verl-cache"))
+    configs = [{**c, "cache_dir": cache} for c in CONFIGS]
+    runs = run_verl("rows", geo3k_files, model_dir, None, configs=configs, batch_size=BATCH, processor=model_dir)
+    return runs["runs"]
+
+
+def _ours(files, model_dir, config, **extra):
+    return collect(build_dataset(files, model_dir, {**config, "shuffle": False, **extra}, processor=model_dir), BATCH)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[str(c) for c in CONFIGS])
+def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm, index):
+    expected = oracle_mm[index]
+    assert "error" not in expected, expected.get("error")
+    assert_same_batches(_ours(geo3k_files, model_dir, CONFIGS[index]), expected["batches"])
+
+
+def test_parity_data_covers_the_image_kinds(oracle_mm):
+    rows = oracle_mm[2]["rows"]
+    assert len(rows) > len(oracle_mm[0]["rows"]), "the 640-token filter should drop rows with big images"
+    assert any(len(r["multi_modal_data"]["image"]) == 2 for r in rows)
+    sizes = [im.size for r in rows for im in r["multi_modal_data"]["image"]]
+    assert (28, 28) in sizes and any(w / h > 15 for w, h in sizes) and any(h / w > 15 for w, h in sizes)
+    assert "multi_modal_inputs" not in rows[0]
+    assert len(IMAGE_KINDS) == 8
+
+
+def test_gpu_vision_actor_is_schedulable_and_matches_cpu(ray_session, geo3k_files, model_dir):
+    assert ray.cluster_resources().get("GPU", 0) >= 1
+    config = {**CONFIGS[0], "vision_num_gpus": 0.5, "vision_pool_max_size": 1, "vision_device": "cpu"}
+    assert_same_batches(_ours(geo3k_files, model_dir, config), _ours(geo3k_files, model_dir, CONFIGS[0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_vision_matches_cpu_within_tolerance(ray_session, geo3k_files, model_dir):
+    gpu = _ours(geo3k_files, model_dir, {**CONFIGS[0], "vision_num_gpus": 1, "vision_device": "cuda"})
+    cpu = _ours(geo3k_files, model_dir, CONFIGS[0])
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["position_ids"], b["position_ids"])
+        for x, y in zip(a["multi_modal_inputs"], b["multi_modal_inputs"], strict=True):
+            assert torch.equal(x["image_grid_thw"], y["image_grid_thw"])
+            assert torch.allclose(x["pixel_values"], y["pixel_values"], atol=1e-4)
+
+
+# --- bad media -----------------------------------------------------------------------------------------------------
+
+
+def _png(kind="png", seed=0):
+    import random
+
+    return encode_image(*make_image(kind, random.Random(seed)))
+
+
+def _bad_media_file(path):
+    good = {"bytes": _png(), "path": None}
+    rows = [
+        ("<image>fine", [good]),
+        ("<image>corrupt", [{"bytes": b"\x89PNG\r\n\x1a\n not really", "path": None}]),
+        ("<image>missing file", [{"bytes": None, "path": "/no/such/image.png"}]),
+        ("<image>zero size", [{"bytes": b"", "path": None}]),
+        ("<image><image>two placeholders, one image", [good]),
+        ("no placeholder", [good]),
+        ("<image>fine again", [good]),
+    ]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
+            for i, (text, images) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
+    path = _bad_media_file(tmp_path / "bad.parquet")
+    ledger = RunLedger.remote()
+    ds = build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger)
+    batches = collect(ds)
+    assert [int(i) for b in batches for i in b["index"]] == [0, 6]
+    counts = ray.get(ledger.get.remote())
+    assert counts["rows_in"] == 7 and counts["quarantined"] == 5
+    assert counts["rows_in"] == counts["rows_out"] + counts["filtered_overlong"] + counts["quarantined"]
+    records = ray.get(ledger.quarantine.remote())
+    assert [r["row"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["file"] == path and r["column"] == "images" for r in records)
+    reasons = [r["reason"] for r in records]
+    assert "bad image" in reasons[0] and "/no/such/image.png" in reasons[1] and "neither bytes" in reasons[2]
+    assert reasons[3] == "2 <image> placeholders for 1 images" and reasons[4] == "0 <image> placeholders for 1 images"
+    assert '"content": "<image>corrupt"' in records[0]["original"]
+
+
+def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path):
+    path = _bad_media_file(tmp_path / "bad.parquet")
+    with pytest.raises(BadRowError) as info:
+        collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (path, 1, "images")
+
+
+def test_raw_bytes_column_decodes_like_pil(ray_session, model_dir, tmp_path):
+    """Raw bytes (no HF struct) crash verl 0.5.0; here they give the PIL image verl gets from an Image() feature."""
+    from PIL import Image
+
+    data = _png("palette", 3)
+    table = pa.table(
+        {"prompt": [[{"role": "user", "content": "<image>x"}]], "images": pa.array([[data]], pa.list_(pa.binary()))}
+    )
+    pq.write_table(table, tmp_path / "raw.parquet")
+    batch = collect(build_dataset(str(tmp_path / "raw.parquet"), model_dir, {"shuffle": False}, processor=model_dir))[0]
+    ours = batch["multi_modal_data"][0]["image"][0]
+    expected = Image.open(io.BytesIO(data)).convert("RGB")
+    assert ours == expected and np.array_equal(np.asarray(ours), np.asarray(expected))
