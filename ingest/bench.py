@@ -67,12 +67,25 @@ def _work_dir(work_dir: str | None) -> Path:
     return work
 
 
+def _compare(files: list[str], model: str, config: dict, processor: str | None, work: Path, skip_verl: bool) -> dict:
+    """Ours, then verl 0.5.0, on the same files: rows/s of both and their ratio."""
+    from ingest.oracle import run_verl
+
+    entry: dict = {"ours": run_ours(files, model, config, processor=processor)}
+    if not skip_verl:
+        cfg = {**config, "cache_dir": str(work / "verl-cache")}
+        verl = run_verl("bench", files, model, cfg, batch_size=BATCH_SIZE, num_workers=2, processor=processor)
+        entry["verl"] = verl
+        entry["ratio_rows_per_s"] = round(entry["ours"]["rows_per_s"] / verl["rows_per_s"], 2)
+        assert verl["rows"] == entry["ours"]["rows"], f"row counts differ: verl {verl['rows']}, ours {entry['ours']}"
+    return entry
+
+
 def bench_mm(rows=(1000,), work_dir: str | None = None, skip_verl: bool = False, config: dict | None = None) -> dict:
     """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on."""
     import ray
 
     from ingest.offline import build_offline_model_dir
-    from ingest.oracle import run_verl
     from ingest.sample import write_geo3k_parquet
 
     model = str(build_offline_model_dir())
@@ -82,15 +95,8 @@ def bench_mm(rows=(1000,), work_dir: str | None = None, skip_verl: bool = False,
     for n in rows:
         out = work / f"geo3k-{n}"
         files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
-        ours = run_ours(files, model, mm_config, processor=model)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
-        entry = {"rows": n, "images": images, "ours": ours}
-        if not skip_verl:
-            cfg = {**mm_config, "cache_dir": str(work / "verl-cache")}
-            verl = run_verl("bench", files, model, cfg, batch_size=BATCH_SIZE, num_workers=2, processor=model)
-            entry["verl"] = verl
-            entry["ratio_rows_per_s"] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
-            assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, ours {ours['rows']}"
+        entry = {"rows": n, "images": images, **_compare(files, model, mm_config, model, work, skip_verl)}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()
@@ -101,21 +107,12 @@ def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: b
     import ray
 
     from ingest.offline import build_offline_model_dir
-    from ingest.oracle import run_verl
 
     tokenizer = str(build_offline_model_dir())
     work = _work_dir(work_dir)
     result = _start_ray()
     for n in rows:
-        files = _data(work, n)
-        ours = run_ours(files, tokenizer)
-        entry = {"rows": n, "ours": ours}
-        if not skip_verl:
-            cfg = {**BENCH_CONFIG, "cache_dir": str(work / "verl-cache")}
-            verl = run_verl("bench", files, tokenizer, cfg, batch_size=BATCH_SIZE, num_workers=2)
-            entry["verl"] = verl
-            entry["ratio_rows_per_s"] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
-            assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, ours {ours['rows']}"
+        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl)}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()

@@ -65,6 +65,7 @@ class DataConfig:
 
     # --- pipeline keys ---
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
+    read_num_cpus: float = 0.5  # reads are cheap; a whole CPU each can leave no room next to fractional actors
     tokenizer_pool_min_size: int = 1
     tokenizer_pool_max_size: int = 2
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
@@ -87,11 +88,12 @@ class DataConfig:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if int(self.max_prompt_length) < 1:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
-        if not 1 <= self.tokenizer_pool_min_size <= self.tokenizer_pool_max_size:
-            raise ValueError(
-                "need 1 <= tokenizer_pool_min_size <= tokenizer_pool_max_size, got "
-                f"{self.tokenizer_pool_min_size}..{self.tokenizer_pool_max_size}"
-            )
+        for pool in ("tokenizer", "decode", "vision"):
+            low, high = getattr(self, f"{pool}_pool_min_size"), getattr(self, f"{pool}_pool_max_size")
+            if not 1 <= low <= high:
+                raise ValueError(f"need 1 <= {pool}_pool_min_size <= {pool}_pool_max_size, got {low}..{high}")
+        if self.vision_device not in ("auto", "cpu", "cuda") and not self.vision_device.startswith("cuda:"):
+            raise ValueError(f"vision_device must be auto, cpu or cuda[:N], got {self.vision_device!r}")
         if self.on_bad_row not in ("quarantine", "raise"):
             raise ValueError(f"on_bad_row must be 'quarantine' or 'raise', got {self.on_bad_row!r}")
         if self.read_rows_per_task < 1 or self.tokenizer_batch_size < 1:

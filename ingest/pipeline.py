@@ -103,7 +103,9 @@ def build_dataset(
         shuffle_seed=cfg.seed if cfg.shuffle else None,
         epoch=epoch,
     )
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)))
+    ds = ray.data.read_datasource(
+        source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.read_num_cpus, concurrency=2
+    )
     ds.context.execution_options.preserve_order = True
     # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
     # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
