@@ -30,7 +30,7 @@ class InputPlan:
         return sum(u.num_rows for u in self.units)
 
 
-def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan:
+def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:
     paths = expand_files(files, cfg.storage_options)
     infos = inspect_files(paths, cfg.storage_options)
     for info in infos:
@@ -40,7 +40,10 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0) -> InputPlan
                 file=_describe(info.path),
                 column=cfg.prompt_key,
             )
-    units = plan_units(infos, cfg.read_rows_per_task)
+    rows_per_task = cfg.read_rows_per_task
+    if multimodal:  # a map task emits its block when its whole input is done: keep image units small
+        rows_per_task = min(rows_per_task, 4 * cfg.vision_batch_size)
+    units = plan_units(infos, rows_per_task)
     if cfg.shuffle:
         units = shuffle_units(units, cfg.seed, epoch)
     return InputPlan(paths, infos, units)
@@ -92,7 +95,7 @@ def build_dataset(
     check_model_path(tokenizer)
     if processor is not None:
         check_model_path(processor, "processor")
-    plan = plan or plan_input(files, cfg, epoch=epoch)
+    plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
     source = ParquetUnitsDatasource(

@@ -83,7 +83,7 @@ def run_pipeline(
     ensure_ray()
     cfg = DataConfig.from_any(config)
     started = time.perf_counter()
-    plan = plan_input(files, cfg)
+    plan = plan_input(files, cfg, multimodal=processor is not None)
     ledger = RunLedger.remote()
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
     summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output)
