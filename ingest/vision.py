@@ -265,11 +265,3 @@ def image_from_record(record: dict):
     if record.get("info"):
         image.info.update(_decode_info(json.loads(record["info"])))
     return image
-
-
-def is_tensor_record(value) -> bool:
-    return isinstance(value, dict) and value.keys() == {"dtype", "shape", "data"}
-
-
-def is_image_record(value) -> bool:
-    return isinstance(value, dict) and value.keys() == {"width", "height", "rgb", "info"}
