@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 
@@ -29,8 +29,10 @@ class TokenizeActor:
         chat = ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code)
         self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)
         self.ledger = ledger
+        self.batch_size = cfg.tokenizer_batch_size
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        result = self.stage(batch)
-        report_counts(self.ledger, result.counts, result.quarantine)
-        return result.table
+    def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
+        for start in range(0, unit.num_rows, self.batch_size):
+            result = self.stage(unit.slice(start, self.batch_size))
+            report_counts(self.ledger, result.counts, result.quarantine)
+            yield result.table

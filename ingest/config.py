@@ -65,11 +65,10 @@ class DataConfig:
 
     # --- pipeline keys ---
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
-    read_num_cpus: float = 0.5  # reads are cheap; a whole CPU each can leave no room next to fractional actors
     tokenizer_pool_min_size: int = 1
     tokenizer_pool_max_size: int = 2
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
-    tokenizer_num_cpus: float = 0.5  # fractional, so read tasks still get a CPU on small machines
+    tokenizer_num_cpus: float = 0.5  # per actor; reads run inside these actors (Ray Data fuses them)
     decode_pool_min_size: int = 1
     decode_pool_max_size: int = 2
     decode_num_cpus: float = 0.5

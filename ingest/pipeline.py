@@ -106,9 +106,10 @@ def build_dataset(
         shuffle_seed=cfg.seed if cfg.shuffle else None,
         epoch=epoch,
     )
-    ds = ray.data.read_datasource(
-        source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.read_num_cpus, concurrency=2
-    )
+    # Same CPUs as the tokenizer actors, no task cap and whole blocks (batch_size=None) below: Ray Data then fuses
+    # the read into the actor pool, so each actor reads its unit and tokenizes it in the same process. No read
+    # worker has to start (and import Ray Data) before the first batch, and raw prompts skip the object store.
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
     ds.context.execution_options.preserve_order = True
     # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
     # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
@@ -122,7 +123,7 @@ def build_dataset(
             "processor": None if processor is None else os.fspath(processor),
             "ledger": ledger,
         },
-        batch_size=cfg.tokenizer_batch_size,
+        batch_size=None,  # one read unit per call; the actor batches it by tokenizer_batch_size
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),

@@ -58,6 +58,13 @@ def test_blocks_are_arrow_native(ray_session, variety_files, model_dir):
     assert FILE_COLUMN not in batch.column_names and ROW_COLUMN not in batch.column_names
 
 
+def test_read_runs_inside_the_tokenizer_actors(ray_session, variety_files, model_dir):
+    # the first-batch latency depends on this fusion: no separate read worker starts before the first batch
+    ds = build_dataset(variety_files, model_dir, BASE)
+    ds.take_batch(8)
+    assert "ReadParquetUnits->MapBatches(TokenizeActor)" in ds.stats(), ds.stats()
+
+
 def test_units_split_a_big_row_group_exactly(tmp_path):
     table = pa.table({"prompt": [[{"role": "user", "content": str(i)}] for i in range(5000)], "i": range(5000)})
     pq.write_table(table, tmp_path / "big.parquet", row_group_size=5000)
