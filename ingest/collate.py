@@ -29,11 +29,18 @@ def object_array(values: list, *, one_dimensional: bool = False) -> np.ndarray:
     return np.array(values, dtype=object)
 
 
+def _video_from_record(record: dict) -> np.ndarray:
+    return tensor_from_record(record).astype(np.float32)  # fetch_video's float frames (whole numbers, carried as uint8)
+
+
+_MEDIA_BUILDERS = {"image": image_from_record, "video": _video_from_record}
+
+
 def _media_data(value: dict | None) -> dict:
-    """``{"image": [PIL RGB]}`` rebuilt from the pixels carried in the block (only modalities the row has)."""
+    """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` rebuilt at the consumer (modalities the row has)."""
     if not value:
         return {}
-    return {kind: [image_from_record(r) for r in items] for kind, items in value.items() if items is not None}
+    return {kind: [_MEDIA_BUILDERS[kind](r) for r in items] for kind, items in value.items() if items is not None}
 
 
 def _media_inputs(value: dict | None, device) -> dict:

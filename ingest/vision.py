@@ -30,6 +30,8 @@ class VisionSpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     processor_class: str = "Qwen2VLImageProcessor"
+    video_min_pixels: int = 128 * 28 * 28  # the video processor's own pixel budget per frame
+    video_max_pixels: int = 768 * 28 * 28
 
     @property
     def factor(self) -> int:
@@ -44,6 +46,10 @@ class VisionSpec:
         elif (path / "processor_config.json").is_file():
             config = json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
         size = config.get("size") or {}
+        video: dict = {}
+        if (path / "video_preprocessor_config.json").is_file():
+            video = json.loads((path / "video_preprocessor_config.json").read_text())
+        video_size = video.get("size") or {}
         return cls(
             patch_size=int(config.get("patch_size", 14)),
             merge_size=int(config.get("merge_size", 2)),
@@ -51,6 +57,8 @@ class VisionSpec:
             min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
             max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
             processor_class=str(config.get("image_processor_type", "Qwen2VLImageProcessor")),
+            video_min_pixels=int(video.get("min_pixels") or video_size.get("shortest_edge") or 128 * 28 * 28),
+            video_max_pixels=int(video.get("max_pixels") or video_size.get("longest_edge") or 768 * 28 * 28),
         )
 
     @property
@@ -84,8 +92,14 @@ def image_grid(width: int, height: int, spec: VisionSpec) -> tuple[int, int, int
     return 1, h // spec.patch_size, w // spec.patch_size
 
 
+def video_grid(nframes: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int, int]:
+    """``video_grid_thw`` of ``nframes`` frames of ``height`` x ``width`` after the video processor's resize."""
+    h, w = smart_resize(height, width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+    return -(-nframes // spec.temporal_patch_size), h // spec.patch_size, w // spec.patch_size
+
+
 def grid_tokens(grid: tuple[int, int, int], spec: VisionSpec) -> int:
-    """How many pad tokens one image expands to in ``input_ids``."""
+    """How many pad tokens one image or video expands to in ``input_ids``."""
     return int(np.prod(grid)) // (spec.merge_size**2)
 
 

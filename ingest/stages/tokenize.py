@@ -30,6 +30,7 @@ from ingest.rowformat import (
     text_position_ids,
     truncate,
 )
+from ingest.video import VideoPlan, probe_video
 from ingest.vision import (
     IMAGE_PAD,
     VIDEO_PAD,
@@ -40,10 +41,25 @@ from ingest.vision import (
     image_size,
     read_image_bytes,
     rope_position_ids,
+    video_grid,
 )
 
-MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage
+MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage (null: the row has no images)
 IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed here, checked by the vision stage
+VIDEO_PLANS_COLUMN = "_media_videos"  # VideoPlan records, for the decode stage (null: the row has no videos)
+VIDEO_GRIDS_COLUMN = "_media_video_grids"
+VIDEO_PLAN_STRUCT = pa.struct(
+    [
+        ("is_file", pa.bool_()),
+        ("data", pa.list_(pa.large_binary())),
+        ("indices", pa.list_(pa.int64())),
+        ("frame_width", pa.int64()),
+        ("frame_height", pa.int64()),
+        ("height", pa.int64()),
+        ("width", pa.int64()),
+    ]
+)
+GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
 
 
 @dataclass
@@ -117,14 +133,16 @@ class PromptTokenizeStage:
             raise self._error(table, 0, f"no prompt column (columns: {', '.join(table.column_names)})")
         has_media = cfg.image_key in table.column_names or cfg.video_key in table.column_names
         prompts = table.column(cfg.prompt_key).to_pylist()
-        images = (
-            table.column(cfg.image_key).to_pylist() if self.vision and cfg.image_key in table.column_names else None
-        )
+        images = self._media_column(table, cfg.image_key)
+        videos = self._media_column(table, cfg.video_key)
         bad: dict[int, BadRowError] = {}
         texts: list[str] = [""] * n
         messages_out: list = [None] * n
-        media_bytes: list[list[bytes]] = [[] for _ in range(n)]
+        # None where verl has no such key in multi_modal_data (no column, or a null value)
+        media_bytes: list[list[bytes] | None] = [None] * n
         grids: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        video_plans: list[list[VideoPlan] | None] = [None] * n
+        video_grids: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         for i, messages in enumerate(prompts):
             problem = validate_messages(messages)
             if problem is not None:
@@ -139,6 +157,7 @@ class PromptTokenizeStage:
                 continue
             if images is not None and images[i] is not None:
                 try:
+                    media_bytes[i] = []
                     for value in images[i]:
                         data = read_image_bytes(value, cfg.storage_options)
                         width, height = image_size(data)
@@ -146,6 +165,13 @@ class PromptTokenizeStage:
                         grids[i].append(image_grid(width, height, self.vision))
                 except Exception as exc:
                     bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", cfg.image_key)
+                    continue
+            if videos is not None and videos[i] is not None:
+                try:
+                    video_plans[i] = [probe_video(value, cfg.storage_options) for value in videos[i]]
+                    video_grids[i] = [video_grid(p.nframes, p.height, p.width, self.vision) for p in video_plans[i]]
+                except Exception as exc:
+                    bad[i] = self._error(table, i, f"bad video: {type(exc).__name__}: {exc}", cfg.video_key)
 
         ids = self.tokenizer.encode_batch(texts)
         expanded_lengths = np.zeros(n, dtype=np.int64)
@@ -158,7 +184,12 @@ class PromptTokenizeStage:
                         table, i, f"{placeholders} <image> placeholders for {len(grids[i])} images", cfg.image_key
                     )
                     continue
-                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i])
+                placeholders = row_ids.count(self.video_pad_id)
+                if placeholders != len(video_grids[i]):
+                    reason = f"{placeholders} <video> placeholders for {len(video_grids[i])} videos"
+                    bad[i] = self._error(table, i, reason, cfg.video_key)
+                    continue
+                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i] + video_grids[i])
             expanded_lengths[i] = len(row_ids) + extra
 
         if bad and cfg.on_bad_row == "raise":
@@ -197,32 +228,38 @@ class PromptTokenizeStage:
             [messages_out[i] for i in kept],
             [media_bytes[i] for i in kept],
             [grids[i] for i in kept],
+            [video_plans[i] for i in kept],
+            [video_grids[i] for i in kept],
             has_media,
         )
         return StageResult(rows, counts, quarantine)
 
-    def _expand(self, row_ids: list[int], grids: list) -> list[int]:
-        if not grids:
+    def _media_column(self, table: pa.Table, name: str) -> list | None:
+        return table.column(name).to_pylist() if self.vision and name in table.column_names else None
+
+    def _expand(self, row_ids: list[int], image_grids: list, video_grids: list) -> list[int]:
+        """Each image / video pad token repeated as many times as its grid asks (the processor's expansion)."""
+        if not image_grids and not video_grids:
             return row_ids
+        pending = {self.image_pad_id: iter(image_grids), self.video_pad_id: iter(video_grids)}
         out: list[int] = []
-        k = 0
         for token in row_ids:
-            if token == self.image_pad_id:
-                out.extend([token] * grid_tokens(grids[k], self.vision))
-                k += 1
-            else:
+            grids = pending.get(token)
+            if grids is None:
                 out.append(token)
+            else:
+                out.extend([token] * grid_tokens(next(grids), self.vision))
         return out
 
-    def _rows(self, table, ids, texts, messages, media_bytes, grids, has_media) -> pa.Table:
+    def _rows(self, table, ids, texts, messages, media_bytes, grids, video_plans, video_grids, has_media) -> pa.Table:
         cfg = self.config
         raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
         if self.vision is None:
             model_ids = raw_prompt_ids
         else:
             model_ids = [
-                truncate(self._expand(x, g), cfg.max_prompt_length, cfg.truncation)
-                for x, g in zip(ids, grids, strict=True)
+                truncate(self._expand(x, g, v), cfg.max_prompt_length, cfg.truncation)
+                for x, g, v in zip(ids, grids, video_grids, strict=True)
             ]
         input_ids, attention_mask = left_pad(model_ids, cfg.max_prompt_length, self.tokenizer.pad_token_id)
         if self.vision is not None and self.vision.is_qwen2_vl:
@@ -233,7 +270,7 @@ class PromptTokenizeStage:
                             input_ids[i],
                             attention_mask[i],
                             grids[i],
-                            [],
+                            video_grids[i],
                             image_token_id=self.image_pad_id,
                             video_token_id=self.video_pad_id,
                             vision_start_token_id=self.vision_start_id,
@@ -254,7 +291,10 @@ class PromptTokenizeStage:
         columns = {name: table.column(name) for name in table.column_names if name not in drop}
         if self.vision is not None:
             columns[MEDIA_BYTES_COLUMN] = pa.array(media_bytes, type=pa.list_(pa.large_binary()))
-            columns[IMAGE_GRIDS_COLUMN] = pa.array(grids, type=pa.list_(pa.list_(pa.int64(), 3)))
+            columns[IMAGE_GRIDS_COLUMN] = pa.array(grids, type=GRIDS_TYPE)
+            plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
+            columns[VIDEO_PLANS_COLUMN] = pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))
+            columns[VIDEO_GRIDS_COLUMN] = pa.array(video_grids, type=GRIDS_TYPE)
         columns["input_ids"] = tensor_column(input_ids)
         columns["attention_mask"] = tensor_column(attention_mask)
         columns["position_ids"] = tensor_column(position_ids)

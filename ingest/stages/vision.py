@@ -1,12 +1,15 @@
 """Multimodal stages after tokenization: decode (CPU) and vision preprocessing (CPU or GPU).
 
 Decode: encoded image bytes -> RGB pixels, once (PIL ``convert("RGB")``, as verl). The pixels travel as plain Arrow
-structs (width, height, rgb bytes) and become ``multi_modal_data["image"]`` PIL images at the consumer.
+structs (width, height, rgb bytes) and become ``multi_modal_data["image"]`` PIL images at the consumer. Videos: the
+sampled frames (PyAV for files, PIL + fetch_image's resize for frame lists) as uint8 arrays.
 
 Vision: RGB pixels -> the image processor's ``pixel_values`` / ``image_grid_thw`` with torch ops on ``device``
-(transformers' torchvision-backed Qwen2-VL image processor: resize, rescale, normalize, patchify). One processor call
-per batch; outputs are split back per row by the grids. The grids must equal the ones the tokenize stage derived from
-the image headers (they decided how many pad tokens ``input_ids`` holds).
+(transformers' torchvision-backed Qwen2-VL image processor: resize, rescale, normalize, patchify). Videos: fetch_video's
+bicubic resize on ``device`` (that is ``multi_modal_data["video"]``), then the video processor's
+``pixel_values_videos`` / ``video_grid_thw``. One processor call per batch and modality; outputs are split back per
+row by the grids, which must equal the ones the tokenize stage derived from headers (they decided how many pad tokens
+``input_ids`` holds).
 """
 
 from __future__ import annotations
@@ -14,24 +17,59 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from ingest.stages.tokenize import IMAGE_GRIDS_COLUMN, MEDIA_BYTES_COLUMN
-from ingest.vision import IMAGE_STRUCT, TENSOR_STRUCT, decode_rgb, image_record, tensor_record
+from ingest.stages.tokenize import (
+    IMAGE_GRIDS_COLUMN,
+    MEDIA_BYTES_COLUMN,
+    VIDEO_GRIDS_COLUMN,
+    VIDEO_PLANS_COLUMN,
+)
+from ingest.video import decode_video_frames, resize_frames
+from ingest.vision import (
+    IMAGE_STRUCT,
+    TENSOR_STRUCT,
+    decode_rgb,
+    image_record,
+    tensor_from_record,
+    tensor_record,
+)
 
 MULTI_MODAL_DATA = "multi_modal_data"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
-_DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT))])
+VIDEO_FRAMES_COLUMN = "_media_video_frames"  # decoded, sampled frames before the final resize
+_FRAMES_STRUCT = pa.struct([("frames", TENSOR_STRUCT), ("height", pa.int64()), ("width", pa.int64())])
+_DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT)), ("video", pa.list_(TENSOR_STRUCT))])
+_INPUTS_TYPE = pa.struct(
+    [
+        ("pixel_values", TENSOR_STRUCT),
+        ("image_grid_thw", TENSOR_STRUCT),
+        ("pixel_values_videos", TENSOR_STRUCT),
+        ("video_grid_thw", TENSOR_STRUCT),
+    ]
+)
 
 
 class DecodeStage:
-    """``_media_image_bytes`` -> ``multi_modal_data`` (RGB pixels), in place of the bytes column."""
+    """Encoded images -> RGB pixels (``_media_image_bytes`` -> ``multi_modal_data``); video plans -> sampled frames."""
 
     def __call__(self, table: pa.Table) -> pa.Table:
         if MEDIA_BYTES_COLUMN not in table.column_names:
             return table
         encoded = table.column(MEDIA_BYTES_COLUMN).to_pylist()
-        data = [{"image": [image_record(*decode_rgb(b)) for b in images]} for images in encoded]
+        images = [None if row is None else [image_record(*decode_rgb(b)) for b in row] for row in encoded]
+        plans = table.column(VIDEO_PLANS_COLUMN).to_pylist()
+        frames = [
+            None
+            if row is None
+            else [
+                {"frames": tensor_record(decode_video_frames(p)), "height": p["height"], "width": p["width"]}
+                for p in row
+            ]
+            for row in plans
+        ]
         index = table.column_names.index(MEDIA_BYTES_COLUMN)
-        return table.set_column(index, MULTI_MODAL_DATA, pa.array(data, type=_DATA_TYPE))
+        table = table.set_column(index, MULTI_MODAL_DATA, pa.array(images, type=pa.list_(IMAGE_STRUCT)))
+        index = table.column_names.index(VIDEO_PLANS_COLUMN)
+        return table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
 
 
 def resolve_device(device: str) -> str:
@@ -49,8 +87,21 @@ class VisionStage:
         from transformers import AutoImageProcessor
 
         self.device = resolve_device(device)
+        self.processor_path = processor_path
         self.image_processor = AutoImageProcessor.from_pretrained(processor_path)
+        self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
+
+    @property
+    def video_processor(self):
+        if self._video_processor is None:
+            from transformers import AutoVideoProcessor
+
+            self._video_processor = AutoVideoProcessor.from_pretrained(self.processor_path)
+            if hasattr(self._video_processor, "cap_pixels_per_frame"):
+                # transformers 4.x behaviour (what verl 0.5.0 runs with): no extra per-frame pixel cap
+                self._video_processor.cap_pixels_per_frame = False
+        return self._video_processor
 
     def pixel_values(self, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -59,33 +110,63 @@ class VisionStage:
         out = self.image_processor(images=tensors, return_tensors="pt", device=self.device)
         return out["pixel_values"].float().cpu().numpy(), out["image_grid_thw"].cpu().numpy().astype(np.int64)
 
+    def video_pixel_values(self, videos: list) -> tuple[np.ndarray, np.ndarray]:
+        out = self.video_processor(videos=videos, return_tensors="pt", device=self.device)
+        return out["pixel_values_videos"].float().cpu().numpy(), out["video_grid_thw"].cpu().numpy().astype(np.int64)
+
     def __call__(self, table: pa.Table) -> pa.Table:
         if MULTI_MODAL_DATA not in table.column_names:
             return table
-        data = table.column(MULTI_MODAL_DATA).to_pylist()
-        per_row = [
-            [np.frombuffer(r["rgb"], np.uint8).reshape(r["height"], r["width"], 3) for r in d["image"]] for d in data
+        n = table.num_rows
+        images = [
+            None
+            if row is None
+            else [np.frombuffer(r["rgb"], np.uint8).reshape(r["height"], r["width"], 3) for r in row]
+            for row in table.column(MULTI_MODAL_DATA).to_pylist()
         ]
-        flat = [img for imgs in per_row for img in imgs]
-        inputs: list = [None] * len(per_row)
-        if flat:
-            pixel_values, grids = self.pixel_values(flat)
-            expected = [g for row in table.column(IMAGE_GRIDS_COLUMN).to_pylist() for g in row]
-            if grids.tolist() != expected:
-                raise RuntimeError(f"vision grids {grids.tolist()} differ from the tokenizer's {expected}")
-            patches = np.cumsum([0] + [int(np.prod(g)) for g in grids])
-            k = 0
-            for i, imgs in enumerate(per_row):
-                if imgs:
-                    rows = slice(patches[k], patches[k + len(imgs)])
-                    inputs[i] = {
-                        "pixel_values": tensor_record(pixel_values[rows]),
-                        "image_grid_thw": tensor_record(grids[k : k + len(imgs)]),
-                    }
-                    k += len(imgs)
-        table = table.drop_columns([IMAGE_GRIDS_COLUMN])
+        inputs: list[dict] = [{} for _ in range(n)]
+        if any(images):
+            self._split(images, self.pixel_values, table.column(IMAGE_GRIDS_COLUMN), inputs, "pixel_values", "image")
+        videos = [None] * n
+        for i, row in enumerate(table.column(VIDEO_FRAMES_COLUMN).to_pylist()):
+            if row is not None:
+                videos[i] = [
+                    resize_frames(tensor_from_record(v["frames"]), v["height"], v["width"], self.device) for v in row
+                ]
+        if any(videos) and self.return_multi_modal_inputs:
+            self._split(
+                videos,
+                self.video_pixel_values,
+                table.column(VIDEO_GRIDS_COLUMN),
+                inputs,
+                "pixel_values_videos",
+                "video",
+            )
+        video_records = [None if row is None else [tensor_record(v.cpu().numpy()) for v in row] for row in videos]
+        data = pa.StructArray.from_arrays(
+            [table.column(MULTI_MODAL_DATA).combine_chunks(), pa.array(video_records, type=pa.list_(TENSOR_STRUCT))],
+            fields=list(_DATA_TYPE),
+        )
+        table = table.set_column(table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, data)
+        table = table.drop_columns([IMAGE_GRIDS_COLUMN, VIDEO_GRIDS_COLUMN, VIDEO_FRAMES_COLUMN])
         if not self.return_multi_modal_inputs:
             return table
+        records = [row or None for row in inputs]
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
-        inputs_type = pa.struct([("pixel_values", TENSOR_STRUCT), ("image_grid_thw", TENSOR_STRUCT)])
-        return table.add_column(index, MULTI_MODAL_INPUTS, pa.array(inputs, type=inputs_type))
+        return table.add_column(index, MULTI_MODAL_INPUTS, pa.array(records, type=_INPUTS_TYPE))
+
+    @staticmethod
+    def _split(per_row: list, process, expected_grids: pa.ChunkedArray, inputs: list, values_key: str, kind: str):
+        """One processor call over every item of the batch; results split back per row by the grids."""
+        flat = [item for items in per_row if items for item in items]
+        pixel_values, grids = process(flat)
+        expected = [g for row in expected_grids.to_pylist() for g in row]
+        if grids.tolist() != expected:
+            raise RuntimeError(f"{kind} grids {grids.tolist()} differ from the tokenizer's {expected}")
+        patches = np.cumsum([0] + [int(np.prod(g)) for g in grids])
+        k = 0
+        for i, items in enumerate(per_row):
+            if items:
+                inputs[i][values_key] = tensor_record(pixel_values[patches[k] : patches[k + len(items)]])
+                inputs[i][f"{kind}_grid_thw"] = tensor_record(grids[k : k + len(items)])
+                k += len(items)

@@ -1,0 +1,118 @@
+"""Video parity with verl 0.5.0 (qwen-vl-utils' fetch_video rules): frame lists, video files, videos next to images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import torch
+
+from ingest import build_dataset
+from ingest.oracle import oracle_available, run_verl
+from ingest.sample import make_video_file, write_video_parquet
+from ingest.stats import RunLedger
+from ingest.video import frame_indices, smart_nframes, video_size
+from tests.conftest import collect
+from tests.helpers import assert_same_batches
+
+BATCH = 4
+# (dataset kind, with images, config): the 700-token limit filters the two-video rows of the frame-list data
+CASES = {
+    "frames": ("frames", False, {"truncation": "left", "max_prompt_length": 700, "return_raw_chat": True}),
+    "file": ("file", False, {"truncation": "right", "max_prompt_length": 1100, "return_full_prompt": True}),
+    "frames+image": ("frames", True, {"truncation": "left", "max_prompt_length": 2048}),
+}
+
+
+@pytest.fixture(scope="module")
+def video_runs(model_dir, tmp_path_factory):
+    if not oracle_available():
+        pytest.skip("verl 0.5.0 oracle not installed (make oracle)")
+    runs = {}
+    for name, (kind, images, config) in CASES.items():
+        files = write_video_parquet(tmp_path_factory.mktemp(name.replace("+", "-")), 12, kind=kind, with_images=images)
+        config = {**config, "filter_overlong_prompts": True, "cache_dir": str(tmp_path_factory.mktemp("verl-cache"))}
+        expected = run_verl("rows", files, model_dir, None, configs=[config], batch_size=BATCH, processor=model_dir)
+        runs[name] = (files, config, expected["runs"][0])
+    return runs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_video_rows_equal_verl(ray_session, model_dir, video_runs, name):
+    files, config, expected = video_runs[name]
+    assert "error" not in expected, expected.get("error")
+    config = {k: v for k, v in config.items() if k != "cache_dir"}
+    ds = build_dataset(files, model_dir, {**config, "shuffle": False}, processor=model_dir)
+    assert_same_batches(collect(ds, BATCH), expected["batches"])
+
+
+def test_video_data_covers_the_cases(video_runs):
+    frames_rows = video_runs["frames"][2]["rows"]
+    assert len(frames_rows) < 12, "the frame-list limit should filter some rows"
+    assert any(len(r["multi_modal_data"]["video"]) == 2 for r in video_runs["file"][2]["rows"])
+    videos = [v for r in frames_rows for v in r["multi_modal_data"]["video"]]
+    assert all(v.dtype == np.float32 and v.ndim == 4 and v.shape[1] == 3 and v.shape[0] % 2 == 0 for v in videos)
+    mixed = video_runs["frames+image"][2]["rows"][0]
+    assert set(mixed["multi_modal_data"]) == {"image", "video"}
+    assert list(mixed["multi_modal_inputs"]) == [
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+    ]
+
+
+def test_sampling_rules_match_fetch_video():
+    # 2 fps, at least 4 frames, at most 768 / the frame count, rounded down to an even count
+    assert smart_nframes({}, total_frames=25, video_fps=10) == 4
+    assert smart_nframes({}, total_frames=300, video_fps=10) == 60
+    assert smart_nframes({}, total_frames=5, video_fps=30) == 4
+    assert smart_nframes({"nframes": 7}, total_frames=20, video_fps=10) == 8
+    assert smart_nframes({"fps": 1, "max_frames": 6}, total_frames=200, video_fps=10) == 6
+    with pytest.raises(ValueError):
+        smart_nframes({"fps": 1, "nframes": 4}, total_frames=20, video_fps=10)
+    assert frame_indices({}, 25, 10) == [0, 8, 16, 24]
+    assert frame_indices({"video_start": 1.0, "video_end": 2.0}, 30, 10) == [10, 13, 17, 20]
+    # the pixel budget: 128..768 tokens per frame (factor 28)
+    assert video_size(4, 64, 96, {}) == (280, 392)
+    h, w = video_size(4, 1080, 1920, {})
+    assert h % 28 == 0 and w % 28 == 0 and h * w <= 768 * 28 * 28
+
+
+def _bad_video_file(tmp_path):
+    good = make_video_file(tmp_path / "good.mp4", 12, 64, 64, 10)
+    (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video at all")
+    rows = [
+        ("<video>fine", [{"video": good}]),
+        ("<video>missing", [{"video": str(tmp_path / "missing.mp4")}]),
+        ("<video>corrupt", [{"video": str(tmp_path / "corrupt.mp4")}]),
+        ("<video><video>two placeholders", [{"video": good}]),
+        ("<video>fine again", [{"video": good}]),
+    ]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "videos": videos, "extra_info": {"index": i}}
+            for i, (text, videos) in enumerate(rows)
+        ]
+    )
+    path = tmp_path / "bad-videos.parquet"
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_bad_videos_are_quarantined_and_counted(ray_session, model_dir, tmp_path):
+    path = _bad_video_file(tmp_path)
+    ledger = RunLedger.remote()
+    batches = collect(build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger))
+    assert [int(i) for b in batches for i in b["index"]] == [0, 4]
+    counts = ray.get(ledger.get.remote())
+    assert counts["rows_in"] == 5 == counts["rows_out"] + counts["filtered_overlong"] + counts["quarantined"]
+    records = ray.get(ledger.quarantine.remote())
+    assert [r["row"] for r in records] == [1, 2, 3] and all(r["column"] == "videos" for r in records)
+    assert "missing.mp4" in records[0]["reason"] and "bad video" in records[1]["reason"]
+    assert records[2]["reason"] == "2 <video> placeholders for 1 videos"
+    video = batches[0]["multi_modal_data"][0]["video"][0]
+    assert video.dtype == np.float32 and video.shape == (4, 3, 336, 336)
+    assert isinstance(batches[0]["multi_modal_inputs"][0]["pixel_values_videos"], torch.Tensor)
