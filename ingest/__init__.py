@@ -3,14 +3,18 @@
 from ingest.collate import VerlCollate
 from ingest.config import DataConfig
 from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
+from ingest.feed import iter_batch_refs
 from ingest.pipeline import build_dataset
+from ingest.stream import PromptStream
 
 __all__ = [
     "BadRowError",
     "DataConfig",
     "IngestError",
     "ModelLoadError",
+    "PromptStream",
     "SourceError",
     "VerlCollate",
     "build_dataset",
+    "iter_batch_refs",
 ]

@@ -82,6 +82,7 @@ def build_dataset(
     epoch: int = 0,
     ledger=None,
     plan: InputPlan | None = None,
+    keep_provenance: bool = False,
 ) -> ray.data.Dataset:
     """A Ray Dataset of verl 0.5.0 rows (``RLHFDataset.__getitem__``) for ``files``.
 
@@ -90,6 +91,7 @@ def build_dataset(
     means the embedded offline Qwen2-VL tokenizer). ``config``: ``DataConfig``, dict or a verl ``data:`` DictConfig.
     With ``shuffle`` off rows come in input order (minus filtered rows); with it on, in a seeded order that
     depends only on (seed, epoch). ``ledger``: a ``RunLedger`` actor that receives per-batch counts.
+    ``plan``: read only these units (resume); ``keep_provenance``: keep the ``_ingest_file`` / ``_ingest_row`` columns.
     """
     cfg = DataConfig.from_any(config)
     check_model_path(tokenizer)
@@ -122,6 +124,7 @@ def build_dataset(
             "files": [_describe(p) for p in plan.files],
             "processor": None if processor is None else os.fspath(processor),
             "ledger": ledger,
+            "keep_provenance": keep_provenance,
         },
         batch_size=None,  # one read unit per call; the actor batches it by tokenizer_batch_size
         batch_format="pyarrow",

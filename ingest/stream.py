@@ -1,0 +1,184 @@
+"""``PromptStream``: collated verl batches with exact, cheap resume (what verl's ``StatefulDataLoader`` gives).
+
+Ray Data has no iterator state (ray-project/ray#48224), so the stream keeps its own. The order of rows is a pure
+function of (files, config, seed, epoch): read units in a seeded order, rows in a seeded order inside each unit,
+``preserve_order`` downstream. Every row carries its provenance (file, row) to the driver, so after each batch the
+stream knows which unit the last row came from and how many kept rows of that unit it has handed out. That pair is
+the position. Resuming rebuilds the dataset from that unit on (units before it are never read again), drops the
+unit's rows already handed out, and batches from there: the batches are exactly those an uninterrupted epoch would
+have yielded next.
+
+State (``state_dict()``): ``{"version", "epoch", "seed", "batches", "position": {"unit", "rows"}, "fingerprint"}``,
+plain JSON. The fingerprint (files, their row counts, read units, batch size, seed) makes a state refuse to load
+into a stream over other data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.collate import VerlCollate
+from ingest.config import DataConfig
+from ingest.pipeline import FilesArg, InputPlan, build_dataset, plan_input
+from ingest.read import FILE_COLUMN, ROW_COLUMN, ReadUnit
+
+STATE_VERSION = 1
+
+
+class _UnitIndex:
+    """(file index, row in file) -> position of the row's read unit in the epoch's unit order."""
+
+    def __init__(self, units: list[ReadUnit]):
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for order, unit in enumerate(units):
+            by_file.setdefault(unit.file_index, []).append((unit.first_row + unit.slice_start, order))
+        self._starts = {f: [s for s, _ in sorted(v)] for f, v in by_file.items()}
+        self._orders = {f: [o for _, o in sorted(v)] for f, v in by_file.items()}
+
+    def __call__(self, file_index: int, row: int) -> int:
+        k = bisect.bisect_right(self._starts[file_index], row) - 1
+        return self._orders[file_index][k]
+
+
+class PromptStream:
+    """Iterable of collated verl batches over ``files``, one epoch per ``iter()``, resumable mid-epoch.
+
+    ``tokenizer``, ``config`` and ``processor`` are what ``build_dataset`` takes; ``collate_fn`` defaults to
+    ``VerlCollate()``. Iterating yields the rest of the current epoch, then moves the state to the next epoch
+    (position 0), so ``for epoch in ...: for batch in stream: ...`` walks epochs. ``drop_last`` drops a final short
+    batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
+    """
+
+    def __init__(
+        self,
+        files: FilesArg,
+        tokenizer: str | os.PathLike | None,
+        config: DataConfig | Mapping[str, Any] | None,
+        batch_size: int,
+        processor: str | os.PathLike | None = None,
+        *,
+        collate_fn=None,
+        drop_last: bool = False,
+        ledger=None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.files = files
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.config = DataConfig.from_any(config)
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or VerlCollate()
+        self.drop_last = drop_last
+        self.ledger = ledger  # a RunLedger actor: counts of what each (re)started epoch read
+        self.epoch = 0
+        self._unit = 0  # position: order index of the unit the next row comes from ...
+        self._rows = 0  # ... and how many of its kept rows were already yielded
+        self._batches = 0  # batches yielded in this epoch
+        self._fingerprint: str | None = None
+
+    # --- state ----------------------------------------------------------------------------------------------------
+
+    def _plan(self) -> InputPlan:
+        plan = plan_input(self.files, self.config, epoch=self.epoch, multimodal=self.processor is not None)
+        identity = {
+            "files": plan.files,
+            "rows": [info.num_rows for info in plan.infos],
+            "units": len(plan.units),
+            "batch_size": self.batch_size,
+            "seed": self.config.seed,
+            "shuffle": self.config.shuffle,
+        }
+        fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        if self._fingerprint is not None and self._fingerprint != fingerprint:
+            raise ValueError(
+                "PromptStream state belongs to other data or settings (files, row counts, read units, batch size "
+                "or seed changed); start a fresh stream or restore the original inputs"
+            )
+        self._fingerprint = fingerprint
+        return plan
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.config.seed,
+            "batches": self._batches,
+            "position": {"unit": self._unit, "rows": self._rows},
+            "fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported PromptStream state version {state.get('version')!r}")
+        if state["seed"] != self.config.seed:
+            raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.config.seed}")
+        self.epoch = int(state["epoch"])
+        self._batches = int(state["batches"])
+        self._unit = int(state["position"]["unit"])
+        self._rows = int(state["position"]["rows"])
+        self._fingerprint = state.get("fingerprint")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (its order depends only on (seed, epoch))."""
+        self.epoch, self._unit, self._rows, self._batches = int(epoch), 0, 0, 0
+
+    # --- iteration ------------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict]:
+        plan = self._plan()
+        unit_of = _UnitIndex(plan.units)
+        rest = InputPlan(plan.files, plan.infos, plan.units[self._unit :])
+        if rest.units:
+            ds = build_dataset(
+                plan.files,
+                self.tokenizer,
+                self.config,
+                self.processor,
+                epoch=self.epoch,
+                plan=rest,
+                ledger=self.ledger,
+                keep_provenance=True,
+            )
+            yield from self._batched(ds, unit_of)
+        self.set_epoch(self.epoch + 1)
+
+    def _batched(self, ds, unit_of: _UnitIndex) -> Iterator[dict]:
+        skip = self._rows  # kept rows of the first unit that were yielded before the restart
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if skip:
+                dropped = min(skip, block.num_rows)
+                block, skip = block.slice(dropped), skip - dropped
+            if not block.num_rows:
+                continue
+            pending.append(block)
+            pending_rows += block.num_rows
+            while pending_rows >= self.batch_size:
+                table = pa.concat_tables(pending)
+                batch, rest = table.slice(0, self.batch_size), table.slice(self.batch_size)
+                pending, pending_rows = [rest], rest.num_rows
+                yield self._emit(batch, unit_of)
+        if pending_rows and not self.drop_last:
+            yield self._emit(pa.concat_tables(pending), unit_of)
+
+    def _emit(self, table: pa.Table, unit_of: _UnitIndex) -> dict:
+        files = table.column(FILE_COLUMN).to_numpy()
+        rows = table.column(ROW_COLUMN).to_numpy()
+        units = np.fromiter((unit_of(int(f), int(r)) for f, r in zip(files, rows, strict=True)), np.int64, len(rows))
+        last = int(units[-1])
+        in_last = int((units == last).sum())
+        # state first: a generator resumes after ``yield`` only when the next batch is asked for
+        self._rows = self._rows + in_last if last == self._unit else in_last
+        self._unit = last
+        self._batches += 1
+        return self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
