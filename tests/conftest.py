@@ -16,7 +16,10 @@ def ray_session():
 
     # Logical CPUs beyond the 2 physical ones leave room for read tasks next to fractional actors; one logical GPU
     # makes GPU actors schedulable on this CPU machine (their kernels run with device="cpu").
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    # address="local": never attach to a cluster some other test or user started with `ray start`
+    ray.init(
+        address="local", num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False
+    )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
