@@ -5,6 +5,7 @@ from ingest.config import DataConfig
 from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
 from ingest.feed import iter_batch_refs
 from ingest.pipeline import build_dataset
+from ingest.sft.dataset import SFTCollate, build_sft_dataset
 from ingest.stream import PromptStream
 
 __all__ = [
@@ -13,8 +14,10 @@ __all__ = [
     "IngestError",
     "ModelLoadError",
     "PromptStream",
+    "SFTCollate",
     "SourceError",
     "VerlCollate",
     "build_dataset",
+    "build_sft_dataset",
     "iter_batch_refs",
 ]

@@ -107,6 +107,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ingest.bench import bench_mm, bench_text
 
+    if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
+        from ingest.sft.bench import bench_sft
+
+        print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "mm":
         result = bench_mm(rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl)
     else:
@@ -143,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=cmd_sample)
 
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm"])
+    bench.add_argument("kind", choices=["text", "mm", "sft"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")

@@ -81,6 +81,11 @@ class DataConfig:
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     storage_options: dict = dataclasses.field(default_factory=dict)  # filesystem kwargs (S3 endpoint, keys, ...)
     trust_remote_code: bool = False
+    # --- SFT mode (build_sft_dataset; docs/sft.md) ---
+    sft_messages_key: str = "messages"  # the conversation column; without it: prompt_key + sft_completion_key
+    sft_completion_key: str = "completion"  # messages = prompt + completion (message lists or plain strings)
+    sft_max_length: int | None = 4096  # inputs per sample after the causal shift (cut never splits a media run)
+    sft_pack_token_budget: int = 0  # > 0: pack samples in order into rows of at most this many inputs
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATION_MODES:

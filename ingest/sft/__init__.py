@@ -19,6 +19,8 @@ The contract is ``/work/shared/sft-contract.md`` (the semantics of the ``rendere
 Modules: ``data`` (types), ``render`` (renderers), ``media`` (images / videos), ``sample``
 (``build_training_sample``), ``sequence`` (shift / truncate / pack). Pure Python + numpy; transformers and torch
 are imported only when media is processed. CPU only.
+
+The Ray Data mode, ``build_sft_dataset`` and ``SFTCollate`` (``dataset``), is imported on first use (it loads Ray).
 """
 
 from ingest.sft.data import (
@@ -45,9 +47,11 @@ __all__ = [
     "RenderedConversation",
     "RenderedTrainingSample",
     "Renderer",
+    "SFTCollate",
     "SFTRenderError",
     "TemplateRenderer",
     "TrainingSequence",
+    "build_sft_dataset",
     "build_training_sample",
     "conversation_problem",
     "create_renderer",
@@ -55,3 +59,13 @@ __all__ = [
     "pack",
     "shift_and_truncate",
 ]
+
+_LAZY = {"SFTCollate", "build_sft_dataset", "plan_sft_input"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from ingest.sft import dataset
+
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'ingest.sft' has no attribute {name!r}")

@@ -1,0 +1,46 @@
+"""SFT actors: the render actor (renderer loaded once; reads are fused into it) and the SFT vision actor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import pyarrow as pa
+
+from ingest.config import DataConfig
+from ingest.models import ChatTokenizer
+from ingest.offline import resolve_model_path
+from ingest.sft.render import create_renderer
+from ingest.stages.sft import SFTRenderStage, SFTVisionStage
+from ingest.stats import report_counts
+
+
+class SFTRenderActor:
+    def __init__(
+        self,
+        tokenizer: str | None,
+        config: dict,
+        files: Sequence[str],
+        processor: str | None = None,
+        ledger=None,
+        role_to_mask: Callable | None = None,
+    ):
+        cfg = DataConfig(**config)
+        chat = ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code)
+        renderer = create_renderer(chat, processor)  # the processor path: geometry from its JSON, no transformers
+        self.stage = SFTRenderStage(renderer, cfg, files, media=processor is not None, role_to_mask=role_to_mask)
+        self.ledger = ledger
+        self.batch_size = cfg.tokenizer_batch_size
+
+    def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
+        for start in range(0, unit.num_rows, self.batch_size):
+            result = self.stage(unit.slice(start, self.batch_size))
+            report_counts(self.ledger, result.counts, result.quarantine)
+            yield result.table
+
+
+class SFTVisionActor:
+    def __init__(self, processor: str, device: str = "cpu"):
+        self.stage = SFTVisionStage(resolve_model_path(processor), device)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.stage(batch)

@@ -1,0 +1,343 @@
+"""SFT stages: conversations -> shifted, truncated (optionally packed) training rows; image pixels.
+
+``SFTRenderStage`` (the render actor; the Parquet read is fused into it): per row, the conversation (a ``messages``
+column, or ``prompt`` + ``completion``), optional ``tools`` / images / videos columns -> ``build_training_sample``
+with a renderer that reads image sizes from headers only (pad counts from the processor geometry, no pixel work) ->
+``shift_and_truncate`` at ``sft_max_length`` -> optional in-order ``pack`` within the batch -> Arrow rows. Bad
+conversations are quarantined or raise, as on the RL path; the encoded image bytes and their grids travel on to:
+
+``SFTVisionStage`` (the vision actor, CPU or GPU): decode (PIL ``convert("RGB")``) and the RL path's
+``VisionStage.pixel_values`` (one processor call per batch) -> ``pixel_values`` / ``image_grid_thw`` tensor records,
+with the grids checked against the header-derived ones that decided the pad counts.
+
+Rows are plain Arrow: ``list<int64>`` ids, ``list<bool>`` mask, ``list<int8>`` token types, tensors as
+``{dtype, shape, data}`` structs (``ingest.vision.tensor_record``). No pickled Python objects in blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.config import DataConfig
+from ingest.errors import BadRowError
+from ingest.messages import split_media_placeholders
+from ingest.read import FILE_COLUMN, ROW_COLUMN
+from ingest.sft.data import RenderedConversation, SFTRenderError, TrainingSequence
+from ingest.sft.sample import build_training_sample, conversation_problem
+from ingest.sft.sequence import pack, shift_and_truncate
+from ingest.stages.tokenize import BatchCounts, StageResult, _row_dict, quarantine_record
+from ingest.vision import TENSOR_STRUCT, decode_rgb, read_image_bytes, tensor_record
+
+TOOLS_COLUMN = "tools"
+IMAGE_BYTES_COLUMN = "_sft_image_bytes"  # encoded images of the row, in stream order (for the vision stage)
+IMAGE_GRIDS_COLUMN = "_sft_image_grids"  # their header-derived grids (decided the pad counts; checked there)
+PLACEHOLDER_STRUCT = pa.struct([("offset", pa.int64()), ("length", pa.int64())])
+GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
+_ENCODED, _GRID = "_encoded", "_grid"  # the item dict of a deferred image: its encoded bytes and grid
+_MEDIA_MARKER = re.compile("<image>|<video>")
+
+
+class DeferredPixels:
+    """A renderer wrapper that tokenizes without image pixel work.
+
+    It renders with ``process_media=False`` (image sizes from the headers, pad counts from the processor geometry)
+    and gives each image item ``{"_encoded": bytes, "_grid": (t, h, w)}`` as its outputs, so the item travels
+    through ``build_training_sample``, ``shift_and_truncate`` (dropped past the cut) and ``pack`` like a processed
+    one; the vision stage turns it into pixels. Videos are processed by the renderer (the video processor decides
+    their grids).
+    """
+
+    def __init__(self, renderer):
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+        self.tells_sampled = renderer.tells_sampled
+        self.stop_token_id = renderer.stop_token_id
+
+    def render(self, messages, *, tools=None, images=None, videos=None, process_media=True) -> RenderedConversation:
+        rendered = self.renderer.render(messages, tools=tools, images=images, videos=videos, process_media=False)
+        media = []
+        for item in rendered.media:
+            if item.outputs is None:
+                if item.data is None:  # a decoded image (PIL / array): cannot come from Parquet
+                    raise SFTRenderError("images must be encoded (bytes, an HF Image() struct or a path)")
+                item = replace(item, outputs={_ENCODED: item.data, _GRID: tuple(item.grid)})
+            media.append(item)
+        return replace(rendered, media=media)
+
+
+def plain(value: Any) -> Any:
+    """An Arrow struct value as the dict a Python source would hold: Arrow gives every row every struct field, so
+    fields missing from a row read back as None; they are dropped (recursively)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def _as_messages(value: Any, role: str) -> Any:
+    """prompt / completion value -> message list: a list as is, a plain string as one ``role`` message."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return plain(value)
+
+
+def _json_or_value(value: Any, what: str) -> Any:
+    """JSON-string columns (messages, tools) are parsed; struct / list columns are taken as stored."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise SFTRenderError(f"{what} is a string that is not JSON: {exc}") from None
+    return plain(value)
+
+
+def _split_media_markers(messages: list) -> None:
+    """verl's ``<image>`` / ``<video>`` markers in string content -> typed content parts (rows with media only)."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and _MEDIA_MARKER.search(content):
+            split_media_placeholders([message])
+
+
+class SFTRenderStage:
+    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of SFT rows + counts + quarantine records.
+
+    ``renderer``: from ``create_renderer`` (with a processor for images / videos). ``media``: emit the media columns
+    (the processor path; the vision stage follows). Counts: ``rows_out`` = samples emitted (a packed row holds
+    several), ``filtered_overlong`` = samples cut to no inputs at all, ``prompt_tokens`` = inputs emitted.
+    """
+
+    def __init__(
+        self,
+        renderer,
+        config: DataConfig,
+        files: Sequence[str],
+        *,
+        media: bool = False,
+        role_to_mask: Callable[[Mapping[str, Any]], bool] | None = None,
+    ):
+        if not renderer.tells_sampled and role_to_mask is None:
+            raise ValueError(
+                f"{type(renderer).__name__} (the chat template is not ChatML) cannot tell sampled tokens: "
+                "pass role_to_mask to build_sft_dataset"
+            )
+        self.renderer = DeferredPixels(renderer) if media else renderer
+        self.config = config
+        self.files = list(files)
+        self.media = media
+        self.role_to_mask = role_to_mask
+        budget = config.sft_pack_token_budget
+        limits = [x for x in (config.sft_max_length, budget if budget > 0 else None) if x is not None]
+        self.max_length = min(limits) if limits else None
+
+    def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
+        return BadRowError(
+            reason,
+            file=self.files[table.column(FILE_COLUMN)[i].as_py()],
+            row=table.column(ROW_COLUMN)[i].as_py(),
+            column=column,
+        )
+
+    def _columns(self, table: pa.Table) -> dict[str, list | None]:
+        cfg = self.config
+        names = set(table.column_names)
+        keys = {
+            "messages": cfg.sft_messages_key,
+            "prompt": cfg.prompt_key,
+            "completion": cfg.sft_completion_key,
+            "tools": TOOLS_COLUMN,
+            "images": cfg.image_key,
+            "videos": cfg.video_key,
+        }
+        return {k: table.column(name).to_pylist() if name in names else None for k, name in keys.items()}
+
+    def _conversation(self, cols: dict, i: int) -> tuple[Any, str]:
+        """(messages, the column they came from): ``messages`` when set, else prompt + completion."""
+        cfg = self.config
+        if cols["messages"] is not None and cols["messages"][i] is not None:
+            return _json_or_value(cols["messages"][i], "messages"), cfg.sft_messages_key
+        if cols["prompt"] is not None and cols["completion"] is not None:
+            prompt, completion = cols["prompt"][i], cols["completion"][i]
+            if prompt is None or completion is None:
+                missing = cfg.prompt_key if prompt is None else cfg.sft_completion_key
+                raise SFTRenderError(f"{missing} is null")
+            prompt, completion = _as_messages(prompt, "user"), _as_messages(completion, "assistant")
+            if not isinstance(prompt, list) or not isinstance(completion, list):
+                raise SFTRenderError(
+                    f"prompt and completion must be message lists or strings, got {type(prompt).__name__} and "
+                    f"{type(completion).__name__}"
+                )
+            return prompt + completion, cfg.prompt_key
+        return None, cfg.sft_messages_key
+
+    def __call__(self, table: pa.Table) -> StageResult:
+        cfg = self.config
+        n = table.num_rows
+        cols = self._columns(table)
+        bad: dict[int, BadRowError] = {}
+        sequences: list[TrainingSequence] = []
+        filtered = 0
+        for i in range(n):
+            conversation_column = cfg.sft_messages_key if cols["messages"] is not None else cfg.prompt_key
+            step = conversation_column  # the column being read when something fails
+            try:
+                messages, conversation_column = self._conversation(cols, i)
+                step = conversation_column
+                problem = conversation_problem(messages)
+                if problem is not None:
+                    raise SFTRenderError(problem)
+                tools = images = videos = None
+                if cols["tools"] is not None and cols["tools"][i] is not None:
+                    step = TOOLS_COLUMN
+                    tools = _json_or_value(cols["tools"][i], "tools")
+                if cols["images"] is not None and cols["images"][i] is not None:
+                    step = cfg.image_key
+                    images = [read_image_bytes(v, cfg.storage_options) for v in plain(cols["images"][i])]
+                if cols["videos"] is not None and cols["videos"][i] is not None:
+                    step = cfg.video_key
+                    videos = [
+                        [read_image_bytes(f, cfg.storage_options) for f in v] if isinstance(v, list) else v
+                        for v in plain(cols["videos"][i])
+                    ]
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, SFTRenderError) else f"bad value: {type(exc).__name__}: {exc}"
+                bad[i] = self._error(table, i, reason, step)
+                continue
+            if images is not None or videos is not None:
+                _split_media_markers(messages)
+            try:
+                sample = build_training_sample(
+                    self.renderer, messages, role_to_mask=self.role_to_mask, tools=tools, images=images, videos=videos
+                )
+            except SFTRenderError as exc:
+                bad[i] = self._error(table, i, str(exc), _blame(str(exc), conversation_column, cfg))
+                continue
+            sequence = shift_and_truncate(sample, self.max_length)
+            if not sequence.inputs:
+                filtered += 1
+                continue
+            sequences.append(sequence)
+        if bad and cfg.on_bad_row == "raise":
+            raise bad[min(bad)]
+        counts = BatchCounts(
+            rows_in=n,
+            rows_out=len(sequences),
+            filtered_overlong=filtered,
+            quarantined=len(bad),
+            prompt_tokens=sum(len(s.inputs) for s in sequences),
+        )
+        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
+        budget = cfg.sft_pack_token_budget
+        rows = pack(sequences, budget) if budget > 0 else sequences
+        return StageResult(self.rows_table(rows), counts, quarantine)
+
+    def rows_table(self, rows: Sequence[TrainingSequence]) -> pa.Table:
+        columns = {
+            "input_ids": list_array([r.inputs for r in rows], pa.int64()),
+            "target_ids": list_array([r.targets for r in rows], pa.int64()),
+            "loss_mask": list_array([r.loss_mask for r in rows], pa.bool_()),
+        }
+        if self.media:
+            columns["mm_token_type_ids"] = list_array([r.mm_token_type_ids for r in rows], pa.int8())
+        columns["seq_lens"] = list_array([r.seq_lens for r in rows], pa.int64())
+        if not self.media:
+            return pa.table(columns)
+        images = [(r.multi_modal_data or {}).get("image") for r in rows]
+        videos = [(r.multi_modal_data or {}).get("video") for r in rows]
+        columns["image_placeholders"] = pa.array(
+            [None if d is None else [tuple(p) for p in d.placeholders] for d in images], pa.list_(PLACEHOLDER_STRUCT)
+        )
+        columns["image_hashes"] = pa.array([None if d is None else d.hashes for d in images], pa.list_(pa.string()))
+        columns[IMAGE_BYTES_COLUMN] = pa.array(
+            [None if d is None else [it[_ENCODED] for it in d.items] for d in images], pa.list_(pa.large_binary())
+        )
+        columns[IMAGE_GRIDS_COLUMN] = pa.array(
+            [None if d is None else [list(it[_GRID]) for it in d.items] for d in images], GRIDS_TYPE
+        )
+        columns["video_placeholders"] = pa.array(
+            [None if d is None else [tuple(p) for p in d.placeholders] for d in videos], pa.list_(PLACEHOLDER_STRUCT)
+        )
+        columns["video_hashes"] = pa.array([None if d is None else d.hashes for d in videos], pa.list_(pa.string()))
+        for key, grid_key in (("pixel_values_videos", "video_grid_thw"),):
+            values, grids = [], []
+            for d in videos:
+                if d is None:
+                    values.append(None)
+                    grids.append(None)
+                else:
+                    values.append(tensor_record(np.concatenate([it[key] for it in d.items])))
+                    grids.append(tensor_record(np.concatenate([it[grid_key] for it in d.items])))
+            columns[key] = pa.array(values, TENSOR_STRUCT)
+            columns[grid_key] = pa.array(grids, TENSOR_STRUCT)
+        columns["dropped_media"] = pa.array([r.dropped_media for r in rows], pa.int64())
+        return pa.table(columns)
+
+
+def _blame(reason: str, conversation_column: str, cfg: DataConfig) -> str:
+    """The column a render error points at: images / videos when the reason is about them, else the conversation."""
+    lowered = reason.lower()
+    if "image" in lowered:
+        return cfg.image_key
+    if "video" in lowered:
+        return cfg.video_key
+    return conversation_column
+
+
+def list_array(lists: Sequence[Sequence | None], value_type: pa.DataType) -> pa.Array:
+    """A list column from flat values + offsets (None entries are null lists)."""
+    n = len(lists)
+    lengths = np.fromiter((0 if x is None else len(x) for x in lists), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    dtype = value_type.to_pandas_dtype()
+    flat = np.fromiter(chain.from_iterable(x for x in lists if x is not None), dtype=dtype, count=int(lengths.sum()))
+    nulls = np.fromiter((x is None for x in lists), dtype=bool, count=n)
+    mask = pa.array(nulls) if nulls.any() else None
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type), mask=mask)
+
+
+class SFTVisionStage:
+    """Encoded images of each row -> ``pixel_values`` (patches, dim) float32 and ``image_grid_thw`` (n, 3) int64
+    tensor records, through the RL path's ``VisionStage`` on ``device`` (one processor call per batch)."""
+
+    def __init__(self, processor_path: str, device: str = "cpu"):
+        from ingest.stages.vision import VisionStage
+
+        self.vision = VisionStage(processor_path, device)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        if IMAGE_BYTES_COLUMN not in table.column_names:
+            return table
+        n = table.num_rows
+        encoded = table.column(IMAGE_BYTES_COLUMN).to_pylist()
+        expected = table.column(IMAGE_GRIDS_COLUMN).to_pylist()
+        values: list[dict | None] = [None] * n
+        grids: list[dict | None] = [None] * n
+        flat = [decode_rgb(data)[0] for row in encoded if row for data in row]
+        if flat:
+            pixel_values, got = self.vision.pixel_values(flat)
+            want = [g for row in expected if row for g in row]
+            if got.tolist() != want:
+                raise RuntimeError(f"image grids {got.tolist()} differ from the header-derived {want}")
+            patches = np.cumsum([0] + [int(np.prod(g)) for g in want])
+            k = 0
+            for i, row in enumerate(encoded):
+                if row:
+                    values[i] = tensor_record(pixel_values[patches[k] : patches[k + len(row)]])
+                    grids[i] = tensor_record(got[k : k + len(row)])
+                    k += len(row)
+        table = table.set_column(
+            table.column_names.index(IMAGE_BYTES_COLUMN), "pixel_values", pa.array(values, TENSOR_STRUCT)
+        )
+        return table.set_column(
+            table.column_names.index(IMAGE_GRIDS_COLUMN), "image_grid_thw", pa.array(grids, TENSOR_STRUCT)
+        )
