@@ -117,3 +117,149 @@ def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: b
         print(entry, flush=True)
     ray.shutdown()
     return result
+
+
+# --- python -m ingest bench refs: feeding rollout actors by object ref vs by value ------------------------------------
+
+
+def _rss() -> dict:
+    """The driver's resident memory from /proc: total and anonymous (heap) bytes (shared-memory pages apart)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+class _MemorySampler:
+    """Peak driver RSS (total, anon) while a block runs, sampled every 10 ms on a thread."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = _rss()
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            for key, value in _rss().items():
+                self.peak[key] = max(self.peak.get(key, 0), value)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict:
+        mib = 1 << 20
+        return {
+            "driver_rss_base_mib": round(self.base["VmRSS"] / mib, 1),
+            "driver_rss_peak_mib": round(self.peak["VmRSS"] / mib, 1),
+            "driver_rss_growth_mib": round((self.peak["VmRSS"] - self.base["VmRSS"]) / mib, 1),
+            "driver_anon_growth_mib": round((self.peak["RssAnon"] - self.base["RssAnon"]) / mib, 1),
+            "driver_shmem_peak_mib": round(self.peak.get("RssShmem", 0) / mib, 1),
+        }
+
+
+def _feed(batches, actors, in_flight: int) -> tuple[dict, dict]:
+    """Round-robin ``batches`` (refs or dicts) to ``actors``, at most ``in_flight`` calls outstanding per actor."""
+    import collections
+
+    import ray
+
+    pending = [collections.deque() for _ in actors]
+    rows = count = 0
+    started = time.perf_counter()
+    with _MemorySampler() as memory:
+        for i, batch in enumerate(batches):
+            k = i % len(actors)
+            if len(pending[k]) >= in_flight:
+                rows += ray.get(pending[k].popleft())
+            pending[k].append(actors[k].generate.remote(batch))
+            count += 1
+        for queue in pending:
+            rows += sum(ray.get(list(queue)))
+    seconds = time.perf_counter() - started
+    feed = {"batches": count, "rows": rows, "seconds": round(seconds, 3), "batches_per_s": round(count / seconds, 1)}
+    return feed, memory.result()
+
+
+def _rollout_actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class RolloutStandIn:
+        """Reads what a rollout worker reads: the id tensors as torch (no copy for numpy refs), every prompt's
+        ``raw_prompt_ids``; returns the row count."""
+
+        def generate(self, batch) -> int:
+            from ingest.feed import batch_to_torch
+
+            batch = batch_to_torch(batch)
+            tokens = int(batch["attention_mask"].sum()) + int(batch["input_ids"][:, -1].sum())
+            assert tokens > 0 and sum(len(ids) for ids in batch["raw_prompt_ids"]) > 0
+            return len(batch["index"])
+
+    return RolloutStandIn
+
+
+def bench_refs(
+    rows: int = 20_000, work_dir: str | None = None, batch_size: int = BATCH_SIZE, actors: int = 3, repeats: int = 2
+) -> dict:
+    """Batches/s delivered to ``actors`` rollout actors and the driver's memory: object refs vs by value.
+
+    Text rows (gsm8k-shaped, 1% overlong and filtered), the embedded tokenizer, max_prompt_length 1024, batch 64.
+    ``materialized``: the tokenized rows are materialized first, so the figures are the feeding path alone;
+    ``live``: the pipeline runs while feeding. Modes: ``by_value`` (the driver iterates
+    ``iter_torch_batches(collate_fn=VerlCollate())`` and passes each dict to ``actor.generate.remote(batch)``),
+    ``refs_numpy`` / ``refs_torch`` (``iter_batch_refs(ds, batch_size, tensors=...)``, the ref as the argument).
+    Every mode keeps at most 2 calls in flight per actor.
+    """
+    import ray
+
+    from ingest import VerlCollate, build_dataset, iter_batch_refs
+    from ingest.offline import build_offline_model_dir
+
+    tokenizer = str(build_offline_model_dir())
+    work = _work_dir(work_dir)
+    # A local Ray of its own (address="local"): a `ray start` cluster left on this machine is not joined
+    t = time.perf_counter()
+    ray.init(
+        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING", log_to_driver=False
+    )
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    result = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "ray_init_s": round(time.perf_counter() - t, 2),
+        "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+        "sizes": [],
+    }
+    files = _data(work, rows)
+    pool = [_rollout_actor_class().remote() for _ in range(actors)]
+    ray.get([a.__ray_ready__.remote() for a in pool])
+    modes = {
+        "by_value": lambda ds: ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate()),
+        "refs_numpy": lambda ds: iter_batch_refs(ds, batch_size, tensors="numpy"),
+        "refs_torch": lambda ds: iter_batch_refs(ds, batch_size, tensors="torch"),
+    }
+    t = time.perf_counter()
+    materialized = build_dataset(files, tokenizer, BENCH_CONFIG).materialize()
+    result.update(rows=materialized.count(), actors=actors, batch_size=batch_size)
+    result["materialize_s"] = round(time.perf_counter() - t, 2)
+    for source in ("materialized", "live"):
+        for repeat in range(repeats):
+            for mode, batches_of in modes.items():
+                ds = materialized if source == "materialized" else build_dataset(files, tokenizer, BENCH_CONFIG)
+                feed, memory = _feed(batches_of(ds), pool, in_flight=2)
+                assert feed["rows"] == result["rows"], (mode, feed, result["rows"])
+                entry = {"source": source, "mode": mode, "repeat": repeat, **feed, **memory}
+                result["sizes"].append(entry)
+                print(entry, flush=True)
+    ray.shutdown()
+    return result

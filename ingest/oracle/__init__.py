@@ -51,3 +51,14 @@ def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, t
             raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         with open(out, "rb") as f:
             return pickle.load(f)
+
+
+def run_verl_dataproto(batches: list[dict], repeat: int = 2, timeout: float = 600) -> dict:
+    """Our collated batches through verl 0.5.0's ``DataProto.from_single_dict`` and ``RayPPOTrainer.fit``'s
+    generation pops (its own source lines), then ``repeat(repeat, interleave=True)``: per batch the popped
+    ``gen`` and remaining ``rest`` as plain dicts (``tensors``, ``non_tensors``), the pop key lists and lengths."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batches.pkl"
+        with open(path, "wb") as f:
+            pickle.dump(batches, f)
+        return run_verl("dataproto", [], "", None, timeout=timeout, batches=str(path), repeat=repeat)

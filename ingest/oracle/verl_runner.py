@@ -1,7 +1,10 @@
-"""Runs verl 0.5.0's RLHFDataset (inside the oracle environment). Usage: verl_runner.py rows|bench SPEC_JSON.
+"""Runs verl 0.5.0 (inside the oracle environment). Usage: verl_runner.py rows|bench|dataproto SPEC_JSON.
 
 rows:  every ``__getitem__`` row, and verl's ``collate_fn`` over consecutive batches, pickled.
 bench: RLHFDataset + DataLoader(num_workers, batch_size, collate_fn) end to end: time to first batch and rows/s.
+dataproto: batches pickled by our side (``spec["batches"]``, a pickle file) go through verl's own trainer code:
+       ``DataProto.from_single_dict`` and the generation pops, the lines executed as they stand in
+       ``RayPPOTrainer.fit`` (verl/trainer/ppo/ray_trainer.py), then ``repeat(n, interleave=True)``.
 """
 
 import json
@@ -27,9 +30,63 @@ def _processor(path):
     return AutoProcessor.from_pretrained(path)
 
 
+FIT_START = "batch: DataProto = DataProto.from_single_dict(batch_dict)"
+FIT_END = "non_tensor_batch_keys=non_tensor_batch_keys_to_pop,"
+
+
+def _fit_generation_pops():
+    """The code ``RayPPOTrainer.fit`` runs on each dataloader batch up to the generation pop, as source text."""
+    import textwrap
+    from pathlib import Path
+
+    import verl
+
+    source = (Path(verl.__file__).parent / "trainer" / "ppo" / "ray_trainer.py").read_text()
+    start = source.index(FIT_START)
+    end = source.index(")", source.index(FIT_END, start)) + 1
+    line_start = source.rindex("\n", 0, start) + 1
+    return textwrap.dedent(source[line_start:end])
+
+
+def _plain(proto):
+    tensors = dict(proto.batch.items()) if proto.batch is not None else {}
+    return {"tensors": tensors, "non_tensors": dict(proto.non_tensor_batch)}
+
+
+def dataproto(spec):
+    """Each batch through ``from_single_dict`` + verl's pops + ``repeat``; plain dicts back (no tensordict)."""
+    from verl import DataProto
+
+    code = _fit_generation_pops()
+    with open(spec["batches"], "rb") as f:
+        batches = pickle.load(f)
+    results = []
+    for batch_dict in batches:
+        scope = {"DataProto": DataProto, "batch_dict": batch_dict}
+        exec(code, scope)  # verl 0.5.0's own lines: batch = from_single_dict(...); ...; gen_batch = batch.pop(...)
+        gen_batch, batch = scope["gen_batch"], scope["batch"]
+        repeated = gen_batch.repeat(repeat_times=spec.get("repeat", 2), interleave=True)
+        results.append(
+            {
+                "len": len(gen_batch),
+                "pop_keys": (scope["batch_keys_to_pop"], scope["non_tensor_batch_keys_to_pop"]),
+                "gen": _plain(gen_batch),
+                "rest": _plain(batch),
+                "repeated_len": len(repeated),
+                "repeated_index": repeated.non_tensor_batch.get("index"),
+            }
+        )
+    return {"code": code, "batches": results}
+
+
 def main():
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
     import torch
+
+    if mode == "dataproto":  # no tokenizer: the batches come from our side
+        with open(spec["out"], "wb") as f:
+            pickle.dump(dataproto(spec), f)
+        return
 
     # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch
     # ops on its intra-op thread pool deadlocks. One thread per process keeps the fork safe (results are the same).
