@@ -23,7 +23,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from ingest.errors import SourceError
-from ingest.sources import FileInfo, _describe, conform, open_parquet
+from ingest.sources import FileInfo, _describe, _failure, check_no_pickles, conform, open_parquet
 
 FILE_COLUMN = "_ingest_file"
 ROW_COLUMN = "_ingest_row"
@@ -106,10 +106,11 @@ def read_unit(
         raise
     except Exception as exc:
         raise SourceError(
-            f"cannot read row groups {list(unit.row_groups)}: {type(exc).__name__}: {exc}",
+            _failure(f"cannot read row groups {list(unit.row_groups)}", exc, path, storage_options),
             file=_describe(path),
             row=unit.first_row + unit.slice_start,
         ) from None
+    check_no_pickles(table.schema, path)  # the footer was checked when planning; the file may have changed since
     table = conform(table, schema)
     rows = np.arange(unit.num_rows, dtype=np.int64) + unit.first_row + unit.slice_start
     if shuffle_seed is not None:

@@ -8,6 +8,7 @@ native reader. Nothing is copied to local disk: Parquet is read by byte ranges.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.errors import SourceError
+from ingest.errors import SourceError, redact, secret_values
 
 REMOTE_PROTOCOLS = ("s3", "s3a", "hdfs", "webhdfs", "swebhdfs", "gs", "gcs", "abfs", "az", "http", "https")
 _GLOB_CHARS = "*?["
@@ -52,6 +53,22 @@ def _describe(path: str) -> str:
     return path
 
 
+def _secrets(path: str, storage_options: dict | None) -> list[str]:
+    """Strings to keep out of messages about ``path``: credentials in ``storage_options`` and in the URL itself."""
+    secrets = secret_values(storage_options)
+    if "://" in path:
+        netloc = path.split("://", 1)[1].split("/", 1)[0]
+        if "@" in netloc:
+            userinfo = netloc.rsplit("@", 1)[0]
+            secrets += [userinfo, *userinfo.split(":", 1)[1:]]
+    return sorted({s for s in secrets if s}, key=len, reverse=True)
+
+
+def _failure(what: str, exc: Exception, path: str, storage_options: dict | None) -> str:
+    """``what: ExcType: message`` with every credential removed (messages from s3fs / botocore can echo them)."""
+    return redact(f"{what}: {type(exc).__name__}: {exc}", _secrets(path, storage_options))
+
+
 def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage_options: dict | None = None) -> list:
     """Expand paths, directories (every ``*.parquet`` below, sorted) and globs into a list of Parquet files.
 
@@ -82,7 +99,7 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
         except SourceError:
             raise
         except Exception as exc:  # permissions, bad endpoint, unreachable namenode, ...
-            raise SourceError(f"cannot list: {type(exc).__name__}: {exc}", file=_describe(entry)) from None
+            raise SourceError(_failure("cannot list", exc, entry, storage_options), file=_describe(entry)) from None
         out.extend(p if p == entry else _qualify(entry, protocol, p) for p in found)
     duplicates = sorted({p for p in out if out.count(p) > 1})
     if duplicates:
@@ -98,7 +115,8 @@ def open_parquet(path: str, storage_options: dict | None = None) -> pq.ParquetFi
         fs = filesystem_for(path, storage_options)
         return pq.ParquetFile(fs.open(path, "rb"))
     except Exception as exc:
-        raise SourceError(f"cannot read as Parquet: {type(exc).__name__}: {exc}", file=_describe(path)) from None
+        reason = _failure("cannot read as Parquet", exc, path, storage_options)
+        raise SourceError(reason, file=_describe(path)) from None
 
 
 @dataclass(frozen=True)
@@ -112,19 +130,101 @@ class FileInfo:
         return sum(self.row_group_rows)
 
 
-def inspect_files(paths: Sequence[str], storage_options: dict | None = None, max_workers: int = 16) -> list:
-    """Read every file's footer (in parallel for remote stores): schema and row counts per row group."""
+@dataclass(frozen=True)
+class BadFile:
+    """A whole input file that cannot be used: why, and how many rows it holds when its footer could be read."""
 
-    def one(path: str) -> FileInfo:
-        pf = open_parquet(path, storage_options)
-        meta = pf.metadata
-        return FileInfo(path, pf.schema_arrow, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
+    path: str
+    error: SourceError
+    num_rows: int | None
+
+
+# Arrow extension types whose values are Python pickles: reading them as Python (``to_pylist``) runs code from the
+# file. Ray registers the first one in every process that imports ``ray.data``; its own readers refuse it too.
+PICKLE_EXTENSION_TYPES = ("ray.data.arrow_pickled_object", "arrow.py_extension_type")
+_EXTENSION_NAME_KEY = b"ARROW:extension:name"
+
+
+def _pickled(field: pa.Field) -> bool:
+    name = (field.metadata or {}).get(_EXTENSION_NAME_KEY, b"").decode("utf-8", "replace")
+    if name in PICKLE_EXTENSION_TYPES:
+        return True  # the type is not registered in this process; the reading process may have it
+    dtype = field.type
+    if isinstance(dtype, pa.ExtensionType):
+        if dtype.extension_name in PICKLE_EXTENSION_TYPES:
+            return True
+        dtype = dtype.storage_type
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    return any(_pickled(dtype.field(i)) for i in range(dtype.num_fields))
+
+
+def check_no_pickles(schema: pa.Schema, path: str) -> None:
+    """Refuse a file whose columns hold Python pickles: nothing from the data is ever unpickled or executed."""
+    columns = [field.name for field in schema if _pickled(field)]
+    if columns:
+        raise SourceError(
+            f"column(s) {', '.join(map(repr, columns))} hold pickled Python objects "
+            f"({' / '.join(PICKLE_EXTENSION_TYPES)}); reading them would run code from the file, refused",
+            file=_describe(path),
+            column=columns[0],
+        )
+
+
+def _empty_file(path: str, storage_options: dict | None) -> bool:
+    try:
+        if protocol_of(path) == "file":
+            return os.path.getsize(path.removeprefix("file://")) == 0
+        return filesystem_for(path, storage_options).size(path) == 0
+    except Exception:
+        return False
+
+
+def inspect_files(
+    paths: Sequence[str], storage_options: dict | None = None, max_workers: int = 16, *, bad: list | None = None
+) -> list:
+    """Read every file's footer (in parallel for remote stores): schema and row counts per row group.
+
+    A file that cannot be read as Parquet, or whose columns hold pickled Python objects, raises ``SourceError``; with
+    ``bad`` (a list) it is appended there as a ``BadFile`` and left out of the result instead.
+    """
+
+    def one(path: str) -> FileInfo | BadFile:
+        num_rows = None
+        try:
+            pf = open_parquet(path, storage_options)
+            try:
+                meta = pf.metadata
+                num_rows = meta.num_rows
+                row_groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+                info = FileInfo(path, pf.schema_arrow, row_groups)
+            except Exception as exc:  # e.g. a logical type Arrow cannot map
+                reason = _failure("cannot read the Parquet footer", exc, path, storage_options)
+                raise SourceError(reason, file=_describe(path)) from None
+            check_no_pickles(info.schema, path)
+            return info
+        except SourceError as exc:
+            if bad is None:
+                raise
+            if num_rows is None and _empty_file(path, storage_options):
+                num_rows = 0
+            return BadFile(path, exc, num_rows)
 
     remote = any(protocol_of(p) != "file" for p in paths)
     if len(paths) <= 1 or not remote:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
-        return list(pool.map(one, paths))
+        results = [one(p) for p in paths]
+    else:
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
+            results = list(pool.map(one, paths))
+    if bad is not None:
+        bad.extend(r for r in results if isinstance(r, BadFile))
+    return [r for r in results if isinstance(r, FileInfo)]
+
+
+def conflicting_column(exc: Exception) -> str | None:
+    """The top-level column named in pyarrow's schema-merge error, if any."""
+    match = re.search(r"Field (\S+) has incompatible types", str(exc))
+    return match.group(1) if match else None
 
 
 def unify_schemas(infos: Iterable[FileInfo]) -> pa.Schema:
@@ -139,9 +239,11 @@ def unify_schemas(infos: Iterable[FileInfo]) -> pa.Schema:
                 pa.unify_schemas([first.schema, info.schema], promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 raise SourceError(
-                    f"schema conflicts with {_describe(first.path)}: {exc}", file=_describe(info.path)
+                    f"schema conflicts with {_describe(first.path)}: {exc}",
+                    file=_describe(info.path),
+                    column=conflicting_column(exc),
                 ) from None
-        raise SourceError(f"schemas cannot be unified: {exc}") from None
+        raise SourceError(f"schemas cannot be unified: {exc}", column=conflicting_column(exc)) from None
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
