@@ -209,7 +209,7 @@ def _rollout_actor_class():
 
 
 def bench_refs(
-    rows: int = 20_000, work_dir: str | None = None, batch_size: int = BATCH_SIZE, actors: int = 3, repeats: int = 2
+    rows: int = 20_000, work_dir: str | None = None, batch_size: int = BATCH_SIZE, actors: int = 3, repeats: int = 3
 ) -> dict:
     """Batches/s delivered to ``actors`` rollout actors and the driver's memory: object refs vs by value.
 
@@ -218,7 +218,8 @@ def bench_refs(
     ``live``: the pipeline runs while feeding. Modes: ``by_value`` (the driver iterates
     ``iter_torch_batches(collate_fn=VerlCollate())`` and passes each dict to ``actor.generate.remote(batch)``),
     ``refs_numpy`` / ``refs_torch`` (``iter_batch_refs(ds, batch_size, tensors=...)``, the ref as the argument).
-    Every mode keeps at most 2 calls in flight per actor.
+    Every mode keeps at most 2 calls in flight per actor. One unrecorded warm-up pass per mode, then ``repeats``
+    rounds (modes interleaved); the summary gives the median and best batches/s and the largest driver RSS growth.
     """
     import ray
 
@@ -252,6 +253,8 @@ def bench_refs(
     materialized = build_dataset(files, tokenizer, BENCH_CONFIG).materialize()
     result.update(rows=materialized.count(), actors=actors, batch_size=batch_size)
     result["materialize_s"] = round(time.perf_counter() - t, 2)
+    for batches_of in modes.values():  # warm-up, not recorded: worker processes start, imports happen
+        _feed(batches_of(materialized), pool, in_flight=2)
     for source in ("materialized", "live"):
         for repeat in range(repeats):
             for mode, batches_of in modes.items():
@@ -259,7 +262,19 @@ def bench_refs(
                 feed, memory = _feed(batches_of(ds), pool, in_flight=2)
                 assert feed["rows"] == result["rows"], (mode, feed, result["rows"])
                 entry = {"source": source, "mode": mode, "repeat": repeat, **feed, **memory}
+                entry["load_average_1m"] = round(os.getloadavg()[0], 2)
                 result["sizes"].append(entry)
                 print(entry, flush=True)
+    result["summary"] = {}
+    for source in ("materialized", "live"):
+        for mode in modes:
+            runs = [e for e in result["sizes"] if e["source"] == source and e["mode"] == mode]
+            rates = sorted(e["batches_per_s"] for e in runs)
+            result["summary"][f"{source}/{mode}"] = {
+                "batches_per_s_median": rates[len(rates) // 2],
+                "batches_per_s_best": rates[-1],
+                "driver_rss_growth_mib_max": max(e["driver_rss_growth_mib"] for e in runs),
+                "driver_anon_growth_mib_max": max(e["driver_anon_growth_mib"] for e in runs),
+            }
     ray.shutdown()
     return result
