@@ -9,7 +9,7 @@ bounded amount.
 
 Zero copy (measured on Ray 2.60, see docs/feeding.md): numpy arrays are stored out of band and a reader on the same
 node gets a read-only view into the shared-memory object store (``flags.writeable`` and ``flags.owndata`` false).
-torch tensors are pickled through ``torch.save``'s reducer and copied on every read unless every worker runs with
+torch tensors go through torch's own pickle reducer and are copied on every read unless the writer runs with
 ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``. Numpy object arrays (``raw_prompt_ids``, dicts, PIL images) are pickled
 in band and rebuilt on every read; numpy arrays nested inside them stay out of band. Hence the default
 ``tensors="numpy"``: ``batch_to_numpy`` turns the batch's tensors (and the tensors inside ``multi_modal_inputs``)
