@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -214,9 +215,10 @@ def run_pipeline(
     cfg = DataConfig.from_any(config)
     started = time.perf_counter()
     plan, bad_files = plan_run(files, cfg, multimodal=processor is not None)
-    ledger = RunLedger.remote()
+    run_id = uuid.uuid4().hex[:12]  # the ``run`` tag of the exported counters
+    ledger = RunLedger.remote(run_id)
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
-    summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output)
+    summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output, run_id=run_id)
     writer = _PartWriter(output) if output else None
     summary = RunReport.of(summary, bad_files)  # rows of quarantined files count as rows in and quarantined
     try:

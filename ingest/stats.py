@@ -9,18 +9,41 @@ import ray
 
 from ingest.stages.tokenize import BatchCounts
 
+# Prometheus names (Ray prefixes ``ray_``): one counter per summary count, tagged with the run id.
+METRIC_NAMES = {
+    "rows_in": "ingest_rows_in",
+    "rows_out": "ingest_rows_out",
+    "filtered_overlong": "ingest_rows_filtered_overlong",
+    "quarantined": "ingest_rows_quarantined",
+    "prompt_tokens": "ingest_prompt_tokens",
+}
+
 
 @ray.remote(num_cpus=0)
 class RunLedger:
-    """Sums the counts every stage actor reports (rows in / out / filtered / quarantined, prompt tokens)."""
+    """Sums the counts every stage actor reports (rows in / out / filtered / quarantined, prompt tokens).
 
-    def __init__(self):
+    The same increments go to ``ray.util.metrics`` counters (tag ``run``), so a Prometheus scrape of the cluster's
+    metrics endpoints sees the run's progress while it runs; their final values equal the summary's.
+    """
+
+    def __init__(self, run_id: str = "default"):
+        from ray.util.metrics import Counter
+
         self.counts = BatchCounts()
         self.records: list[dict] = []
+        self.run_id = run_id
+        self.metrics = {
+            key: Counter(name, description=f"{key.replace('_', ' ')} (ray-ingest)", tag_keys=("run",))
+            for key, name in METRIC_NAMES.items()
+        }
 
     def add(self, counts: dict, quarantine: list | None = None) -> None:
         self.counts.add(BatchCounts(**counts))
         self.records.extend(quarantine or [])
+        for key, value in counts.items():
+            if value and key in self.metrics:
+                self.metrics[key].inc(value, tags={"run": self.run_id})
 
     def get(self) -> dict:
         return dataclasses.asdict(self.counts)
@@ -49,6 +72,7 @@ class RunSummary:
     tokens_per_s: float = 0.0
     output_dir: str | None = None
     quarantine_file: str | None = None
+    run_id: str | None = None  # tag of this run's Prometheus counters (METRIC_NAMES)
 
     @property
     def accounted(self) -> bool:

@@ -18,7 +18,13 @@ def ray_session():
     # makes GPU actors schedulable on this CPU machine (their kernels run with device="cpu").
     # address="local": never attach to a cluster some other test or user started with `ray start`
     ray.init(
-        address="local", num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=False
+        address="local",
+        num_cpus=4,
+        num_gpus=1,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+        _system_config={"metrics_report_interval_ms": 1000},  # the metrics test reads the exported counters
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray

@@ -1,0 +1,184 @@
+"""On a cluster: `ray job submit` of the demo job to a real head on loopback (token auth on), the pipeline on Ray's
+fake autoscaling multi-node cluster, and the Prometheus counters against the run summary."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from ingest.run import run_pipeline
+from ingest.stats import METRIC_NAMES
+from tests.cluster_helpers import ROOT, cluster_env, free_port, start_head, stop_cluster
+
+
+def test_demo_job_submitted_with_ray_job_submit(tmp_path):
+    port, dashboard = free_port(), free_port()
+    token = secrets.token_hex(16)
+    env = cluster_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    out, summary_path = tmp_path / "rows", tmp_path / "summary.json"
+    submission = f"ingest-test-{secrets.token_hex(4)}"
+    start_head(port, env, "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}")
+    try:
+        submit = subprocess.run(
+            [
+                str(ROOT / "deploy" / "submit.sh"),
+                f"--address=http://127.0.0.1:{dashboard}",
+                "--submission-id",
+                submission,
+                "deploy/configs/text.yaml",
+                "--",
+                f"--output={out}",
+                f"--summary-json={summary_path}",
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+        status = subprocess.run(
+            ["ray", "job", "status", f"--address=http://127.0.0.1:{dashboard}", submission],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"Job '{submission}' succeeded" in status.stdout, status.stdout + status.stderr
+        logs = subprocess.run(
+            ["ray", "job", "logs", f"--address=http://127.0.0.1:{dashboard}", submission],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        # without the token the job API refuses
+        refused = subprocess.run(
+            ["ray", "job", "status", f"--address=http://127.0.0.1:{dashboard}", submission],
+            env=cluster_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="wrong" + token),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode != 0
+    finally:
+        stop_cluster(port)
+    summary = json.loads(summary_path.read_text())
+    assert summary["rows_in"] == 20_000 and summary["rows_out"] == 19_800 and summary["accounted"]
+    line = next(x for x in logs.splitlines() if x.startswith("INGEST_SUMMARY "))
+    assert json.loads(line.removeprefix("INGEST_SUMMARY "))["rows_out"] == 19_800
+    written = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
+    assert written == summary["rows_out"]
+    assert token not in logs and token not in summary_path.read_text()
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def test_metrics_counters_match_the_summary(ray_session, variety_files, model_dir):
+    summary = run_pipeline(variety_files, model_dir, {"truncation": "left", "shuffle": False})
+    ports = {node["MetricsExportPort"] for node in ray.nodes() if node["Alive"]}
+    expected = {
+        "rows_in": summary.rows_in,
+        "rows_out": summary.rows_out,
+        "filtered_overlong": summary.filtered_overlong,
+        "prompt_tokens": summary.prompt_tokens,
+    }
+    assert summary.filtered_overlong > 0
+    seen: dict[str, float] = {}
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        body = "".join(_scrape(p) for p in ports)
+        for key in expected:
+            pattern = rf'^ray_{METRIC_NAMES[key]}(?:_total)?{{[^}}]*run="{summary.run_id}"[^}}]*}} ([0-9.e+]+)$'
+            values = [float(v) for v in re.findall(pattern, body, flags=re.M)]
+            if values:
+                seen[key] = sum(values)
+        if seen == {k: float(v) for k, v in expected.items()}:
+            break
+        time.sleep(1)
+    assert seen == {k: float(v) for k, v in expected.items()}
+
+
+AUTOSCALE_SCRIPT = r"""
+import json, sys, time
+import ray
+from ingest import build_dataset, VerlCollate
+
+spec = json.loads(sys.argv[1])
+ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False)
+ray.data.DataContext.get_current().enable_progress_bars = False
+config = {"shuffle": False, "filter_overlong_prompts": False, "max_prompt_length": 4096, "vision_num_gpus": 1,
+          "vision_num_cpus": 0,  # GPU nodes have no CPU: the read, tokenize and decode actors need CPU nodes
+          "vision_pool_min_size": 1, "vision_pool_max_size": 2, "vision_batch_size": 4,
+          "tokenizer_pool_max_size": 1, "decode_pool_max_size": 1}
+ds = build_dataset(spec["files"], spec["model"], config, processor=spec["model"])
+indices, peak_vision, peak_nodes = [], 0, 1
+for batch in ds.iter_torch_batches(batch_size=4, collate_fn=VerlCollate()):
+    indices += [int(i) for i in batch["index"]]
+    # the vision actors are the only GPU users: GPUs in use = vision pool size
+    gpus_in_use = ray.cluster_resources().get("GPU", 0) - ray.available_resources().get("GPU", 0)
+    peak_vision = max(peak_vision, int(gpus_in_use))
+    peak_nodes = max(peak_nodes, sum(n["Alive"] for n in ray.nodes()))
+print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "peak_nodes": peak_nodes}))
+"""
+
+
+def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
+    from ingest.sample import write_geo3k_parquet
+    from tests.cluster_helpers import start_autoscaling_cluster
+
+    files = write_geo3k_parquet(tmp_path / "geo3k", 192, row_group_size=8)
+    port = free_port()
+    workers = {
+        "cpu_node": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": 2},
+        # A logical GPU and no CPU: each vision actor (num_gpus=1, num_cpus=0) needs one of these nodes. Ray Data
+        # sizes an actor pool within the resources the cluster has now (the pool's budget), and its own resource
+        # requests did not bring up a second GPU node within a run this short, so both GPU nodes come from
+        # min_workers; the CPU nodes (read/tokenize/decode) are added on demand (the head has no CPU) and removed idle.
+        "gpu_node": {"resources": {"CPU": 0, "GPU": 1}, "node_config": {}, "min_workers": 2, "max_workers": 2},
+    }
+    env = start_autoscaling_cluster(port, {"CPU": 0}, workers, idle_timeout_minutes=0.1)
+    try:
+        spec = {"address": f"127.0.0.1:{port}", "files": files, "model": model_dir}
+        run = subprocess.run(
+            [sys.executable, "-c", AUTOSCALE_SCRIPT, json.dumps(spec)],
+            env={**env, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+        result = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+        assert result["peak_nodes"] >= 4, result  # head + 2 GPU workers + CPU worker(s) added for the read/tokenize
+        assert result["peak_vision"] == 2, result  # the vision pool grew from 1 to its maximum
+        assert result["indices"] == list(range(192))  # every row arrives, once, in order
+        # idle CPU worker nodes are removed after the run (idle timeout 6 s); the 2 min_workers GPU nodes stay
+        check = "import ray; ray.init(address='{}', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+        deadline, alive = time.time() + 120, None
+        while time.time() < deadline:
+            probe = subprocess.run(
+                [sys.executable, "-c", check.format(spec["address"])], env=env, capture_output=True, text=True
+            )
+            alive = int(probe.stdout.strip().splitlines()[-1])
+            if alive == 3:
+                break
+            time.sleep(3)
+        assert alive == 3, f"{alive} nodes alive, expected the head and the 2 GPU nodes"
+    finally:
+        stop_cluster(port)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
