@@ -11,7 +11,7 @@ from ingest.models import ChatTokenizer
 from ingest.offline import resolve_model_path
 from ingest.sft.render import create_renderer
 from ingest.stages.sft import SFTRenderStage, SFTVisionStage
-from ingest.stats import report_counts
+from ingest.stats import stage_unit
 
 
 class SFTRenderActor:
@@ -32,10 +32,7 @@ class SFTRenderActor:
         self.batch_size = cfg.tokenizer_batch_size
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
-        for start in range(0, unit.num_rows, self.batch_size):
-            result = self.stage(unit.slice(start, self.batch_size))
-            report_counts(self.ledger, result.counts, result.quarantine)
-            yield result.table
+        return stage_unit(self.stage, unit, self.batch_size, self.ledger)
 
 
 class SFTVisionActor:

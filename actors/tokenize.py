@@ -10,7 +10,7 @@ from ingest.config import DataConfig
 from ingest.models import ChatTokenizer
 from ingest.offline import resolve_model_path
 from ingest.stages.tokenize import PromptTokenizeStage
-from ingest.stats import report_counts
+from ingest.stats import stage_unit
 from ingest.vision import VisionSpec
 
 
@@ -32,7 +32,4 @@ class TokenizeActor:
         self.batch_size = cfg.tokenizer_batch_size
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
-        for start in range(0, unit.num_rows, self.batch_size):
-            result = self.stage(unit.slice(start, self.batch_size))
-            report_counts(self.ledger, result.counts, result.quarantine)
-            yield result.table
+        return stage_unit(self.stage, unit, self.batch_size, self.ledger)

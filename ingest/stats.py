@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 
+import pyarrow as pa
 import ray
 
+from ingest.read import FILE_COLUMN, ROW_COLUMN
 from ingest.stages.tokenize import BatchCounts
 
 # Prometheus names (Ray prefixes ``ray_``): one counter per summary count, tagged with the run id.
@@ -32,13 +35,20 @@ class RunLedger:
 
         self.counts = BatchCounts()
         self.records: list[dict] = []
+        self.seen: set[tuple] = set()
         self.run_id = run_id
         self.metrics = {
             key: Counter(name, description=f"{key.replace('_', ' ')} (ray-ingest)", tag_keys=("run",))
             for key, name in METRIC_NAMES.items()
         }
 
-    def add(self, counts: dict, quarantine: list | None = None) -> None:
+    def add(self, counts: dict, quarantine: list | None = None, key: tuple | None = None) -> None:
+        # A stage task that dies after reporting is retried by Ray and reports the same batch again: count a keyed
+        # batch once (exactly-once accounting over at-least-once execution).
+        if key is not None:
+            if key in self.seen:
+                return
+            self.seen.add(key)
         self.counts.add(BatchCounts(**counts))
         self.records.extend(quarantine or [])
         for key, value in counts.items():
@@ -52,10 +62,26 @@ class RunLedger:
         return list(self.records)
 
 
-def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None) -> None:
+def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None, key: tuple | None = None) -> None:
     # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
     if ledger is not None:
-        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or []))
+        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or [], key))
+
+
+def batch_key(table: pa.Table) -> tuple | None:
+    """(file index, row) of a batch's first row: the same on every retry of the batch, unique within a run."""
+    if not table.num_rows or ROW_COLUMN not in table.column_names:
+        return None
+    return table.column(FILE_COLUMN)[0].as_py(), table.column(ROW_COLUMN)[0].as_py()
+
+
+def stage_unit(stage, unit: pa.Table, batch_size: int, ledger) -> Iterator[pa.Table]:
+    """Run a stage over one read unit in ``batch_size`` slices, reporting each slice's counts once."""
+    for start in range(0, unit.num_rows, batch_size):
+        batch = unit.slice(start, batch_size)
+        result = stage(batch)
+        report_counts(ledger, result.counts, result.quarantine, batch_key(batch))
+        yield result.table
 
 
 @dataclasses.dataclass
