@@ -79,7 +79,8 @@ class DataConfig:
     vision_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when the actor sees a GPU)
     vision_batch_size: int = 32
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
-    storage_options: dict = dataclasses.field(default_factory=dict)  # filesystem kwargs (S3 endpoint, keys, ...)
+    # filesystem kwargs (S3 endpoint, keys, ...); repr=False keeps secrets out of a logged config
+    storage_options: dict = dataclasses.field(default_factory=dict, repr=False)
     trust_remote_code: bool = False
     # --- SFT mode (build_sft_dataset; docs/sft.md) ---
     sft_messages_key: str = "messages"  # the conversation column; without it: prompt_key + sft_completion_key

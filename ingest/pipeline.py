@@ -73,6 +73,20 @@ def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokeni
         raise ModelLoadError(f"{what} directory has no {' or '.join(wanted)}: {path}")
 
 
+def units_source(plan: InputPlan, cfg: DataConfig, epoch: int = 0, ledger=None) -> ParquetUnitsDatasource:
+    """The read of ``plan``'s units in order (seeded row order when shuffling), with the bad-input policy."""
+    return ParquetUnitsDatasource(
+        plan.files,
+        plan.units,
+        unify_schemas(plan.infos),
+        cfg.storage_options,
+        shuffle_seed=cfg.seed if cfg.shuffle else None,
+        epoch=epoch,
+        on_bad_row=cfg.on_bad_row,
+        ledger=ledger,
+    )
+
+
 def build_dataset(
     files: FilesArg,
     tokenizer: str | os.PathLike | None,
@@ -100,14 +114,7 @@ def build_dataset(
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    source = ParquetUnitsDatasource(
-        plan.files,
-        plan.units,
-        unify_schemas(plan.infos),
-        cfg.storage_options,
-        shuffle_seed=cfg.seed if cfg.shuffle else None,
-        epoch=epoch,
-    )
+    source = units_source(plan, cfg, epoch, ledger)
     # Same CPUs as the tokenizer actors, no task cap and whole blocks (batch_size=None) below: Ray Data then fuses
     # the read into the actor pool, so each actor reads its unit and tokenizes it in the same process. No read
     # worker has to start (and import Ray Data) before the first batch, and raw prompts skip the object store.

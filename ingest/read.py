@@ -131,8 +131,12 @@ class ParquetUnitsDatasource(Datasource):
         storage_options: dict | None = None,
         shuffle_seed: int | None = None,
         epoch: int = 0,
+        on_bad_row: str = "raise",
+        ledger=None,
     ):
         super().__init__()
+        self._on_bad_row = on_bad_row
+        self._ledger = ledger
         self._paths = list(paths)
         self._units = list(units)
         self._schema = schema
@@ -154,7 +158,12 @@ class ParquetUnitsDatasource(Datasource):
             meta = BlockMetadata(num_rows=unit.num_rows, size_bytes=None, input_files=[path], exec_stats=None)
             tasks.append(
                 ReadTask(
-                    _UnitReader(unit, path, self._schema, self._storage_options, self._shuffle_seed, self._epoch),
+                    _UnitReader(
+                        (unit, path, self._schema, self._storage_options, self._shuffle_seed, self._epoch),
+                        out_schema,
+                        self._on_bad_row,
+                        self._ledger,
+                    ),
                     meta,
                     schema=out_schema,
                     per_task_row_limit=per_task_row_limit,
@@ -164,10 +173,28 @@ class ParquetUnitsDatasource(Datasource):
 
 
 class _UnitReader:
-    """The read function of one task (a class, so it pickles without closures over the datasource)."""
+    """The read function of one task (a class, so it pickles without closures over the datasource).
 
-    def __init__(self, unit, path, schema, storage_options, shuffle_seed, epoch):
-        self.args = (unit, path, schema, storage_options, shuffle_seed, epoch)
+    A unit whose row groups cannot be decoded (a corrupt data page behind a readable footer) raises with
+    ``on_bad_row="raise"``; with ``"quarantine"`` its rows are reported to the ledger as quarantined (one record for
+    the unit: file, first row, reason, ``rows``) and the read yields no rows, so the run goes on.
+    """
+
+    def __init__(self, args: tuple, out_schema: pa.Schema, on_bad_row: str = "raise", ledger=None):
+        self.args, self.out_schema, self.on_bad_row, self.ledger = args, out_schema, on_bad_row, ledger
 
     def __call__(self) -> Iterator[pa.Table]:
-        yield read_unit(*self.args)
+        try:
+            yield read_unit(*self.args)
+        except SourceError as err:
+            if self.on_bad_row != "quarantine":
+                raise
+            from ingest.stages.tokenize import BatchCounts
+            from ingest.stats import report_counts
+
+            unit = self.args[0]
+            record = {"file": err.file, "row": err.row, "column": None, "reason": err.reason, "original": None}
+            counts = BatchCounts(rows_in=unit.num_rows, quarantined=unit.num_rows)
+            key = ("unit", unit.file_index, unit.first_row + unit.slice_start)
+            report_counts(self.ledger, counts, [{**record, "rows": unit.num_rows}], key)
+            yield self.out_schema.empty_table()

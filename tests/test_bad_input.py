@@ -187,20 +187,26 @@ def test_no_usable_file_is_an_error_in_both_modes(ray_session, model_dir, tmp_pa
             assert info.value.reason.endswith("(no usable input file: 2 of 2 rejected)")
 
 
-def test_corrupt_row_group_behind_a_readable_footer_stops_with_file_and_row(ray_session, model_dir, tmp_path):
-    """Footer fine, a data page broken: found only when that unit is read, inside an actor; the run stops (both
-    modes) with the file, the unit's first row and the reason (not quarantined: see docs/bad-input.md)."""
+def test_corrupt_row_group_behind_a_readable_footer_follows_the_policy(ray_session, model_dir, tmp_path):
+    """Footer fine, a data page broken: found only when that read unit is read, inside an actor. Quarantine mode:
+    the unit's rows are quarantined (one record: file, first row, reason, rows) and the run goes on; strict mode:
+    the run stops with the file, the unit's first row and the reason."""
     path = _write(tmp_path / "rg.parquet", [_good(i) for i in range(20)], row_group_size=10)
     meta = pq.ParquetFile(path).metadata.row_group(1).column(0)
     offset = meta.dictionary_page_offset or meta.data_page_offset
     data = bytearray((tmp_path / "rg.parquet").read_bytes())
     data[offset : offset + 16] = b"\xff" * 16  # the page header of row group 1's first column chunk
     (tmp_path / "rg.parquet").write_bytes(bytes(data))
-    for config in (QUARANTINE, STRICT):
-        with pytest.raises(SourceError) as info:
-            run_pipeline([path], model_dir, {**config, "read_rows_per_task": 10})
-        err = find_ingest_error(info.value)
-        assert (err.file, err.row) == (path, 10) and err.reason.startswith("cannot read row groups [1]: OSError")
+    with pytest.raises(SourceError) as info:
+        run_pipeline([path], model_dir, {**STRICT, "read_rows_per_task": 10})
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row) == (path, 10) and err.reason.startswith("cannot read row groups [1]: OSError")
+    summary = run_pipeline([path], model_dir, {**QUARANTINE, "read_rows_per_task": 10}, output=str(tmp_path / "out"))
+    _accounted(summary)
+    assert (summary.rows_in, summary.rows_out, summary.quarantined) == (20, 10, 10)
+    (record,) = _quarantine(summary)
+    assert (record["file"], record["row"], record["rows"]) == (path, 10, 10)
+    assert record["reason"].startswith("cannot read row groups [1]: OSError")
 
 
 # --- schemas ----------------------------------------------------------------------------------------------------------

@@ -295,3 +295,11 @@ def test_quarantine_file_does_not_follow_links(ray_session, model_dir, tmp_path)
         run_pipeline([path], model_dir, QUARANTINE, quarantine_dir=str(qdir))
     assert find_ingest_error(info.value) is info.value
     assert not (tmp_path / "elsewhere.parquet").exists()
+
+
+def test_config_repr_leaves_out_storage_options():
+    from ingest import DataConfig
+
+    cfg = DataConfig(storage_options={"key": "AKIAEXAMPLE", "secret": "s3cr3t-value-123"})
+    assert "s3cr3t-value-123" not in repr(cfg) and "AKIAEXAMPLE" not in repr(cfg)
+    assert cfg.storage_options["secret"] == "s3cr3t-value-123"

@@ -19,9 +19,8 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 
 from ingest.config import DataConfig
 from ingest.errors import SourceError
-from ingest.pipeline import FilesArg, InputPlan, check_model_path, plan_input
-from ingest.read import ParquetUnitsDatasource
-from ingest.sources import _describe, unify_schemas
+from ingest.pipeline import FilesArg, InputPlan, check_model_path, plan_input, units_source
+from ingest.sources import _describe
 from ingest.vision import tensor_from_record
 
 MEDIA_TENSOR_COLUMNS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -96,14 +95,7 @@ def build_sft_dataset(
     plan = plan or plan_sft_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import SFTRenderActor, SFTVisionActor
 
-    source = ParquetUnitsDatasource(
-        plan.files,
-        plan.units,
-        unify_schemas(plan.infos),
-        cfg.storage_options,
-        shuffle_seed=cfg.seed if cfg.shuffle else None,
-        epoch=epoch,
-    )
+    source = units_source(plan, cfg, epoch, ledger)
     # As build_dataset: the read is fused into the render actors (same CPUs, no task cap, whole blocks below).
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
     ds.context.execution_options.preserve_order = True
