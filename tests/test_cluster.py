@@ -20,6 +20,26 @@ from ingest.stats import METRIC_NAMES
 from tests.cluster_helpers import ROOT, cluster_env, free_port, start_head, stop_cluster
 
 
+def _submit(dashboard: int, submission: str, out, summary_path, env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            str(ROOT / "deploy" / "submit.sh"),
+            f"--address=http://127.0.0.1:{dashboard}",
+            "--submission-id",
+            submission,
+            "deploy/configs/text.yaml",
+            "--",
+            f"--output={out}",
+            f"--summary-json={summary_path}",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_demo_job_submitted_with_ray_job_submit(tmp_path):
     port, dashboard = free_port(), free_port()
     token = secrets.token_hex(16)
@@ -28,23 +48,11 @@ def test_demo_job_submitted_with_ray_job_submit(tmp_path):
     submission = f"ingest-test-{secrets.token_hex(4)}"
     start_head(port, env, "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}")
     try:
-        submit = subprocess.run(
-            [
-                str(ROOT / "deploy" / "submit.sh"),
-                f"--address=http://127.0.0.1:{dashboard}",
-                "--submission-id",
-                submission,
-                "deploy/configs/text.yaml",
-                "--",
-                f"--output={out}",
-                f"--summary-json={summary_path}",
-            ],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        for _ in range(24):  # `ray start` returns before the dashboard's job agent is up (slow on a loaded machine)
+            submit = _submit(dashboard, submission, out, summary_path, env)
+            if "No available agent to submit job" not in submit.stderr + submit.stdout:
+                break
+            time.sleep(5)
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
         status = subprocess.run(
             ["ray", "job", "status", f"--address=http://127.0.0.1:{dashboard}", submission],
