@@ -114,18 +114,11 @@ def build_dataset(
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    source = units_source(plan, cfg, epoch, ledger)
-    # Same CPUs as the tokenizer actors, no task cap and whole blocks (batch_size=None) below: Ray Data then fuses
-    # the read into the actor pool, so each actor reads its unit and tokenizes it in the same process. No read
-    # worker has to start (and import Ray Data) before the first batch, and raw prompts skip the object store.
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
-    ds.context.execution_options.preserve_order = True
-    # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
-    # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
-    ds.context.raise_original_map_exception = True
-    ds = ds.map_batches(
+    ds = read_units_into_pool(
+        plan,
+        cfg,
         TokenizeActor,
-        fn_constructor_kwargs={
+        {
             "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
             "config": cfg.to_dict(),
             "files": [_describe(p) for p in plan.files],
@@ -133,11 +126,8 @@ def build_dataset(
             "ledger": ledger,
             "keep_provenance": keep_provenance,
         },
-        batch_size=None,  # one read unit per call; the actor batches it by tokenizer_batch_size
-        batch_format="pyarrow",
-        zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
-        num_cpus=cfg.tokenizer_num_cpus,
+        epoch=epoch,
+        ledger=ledger,
     )
     if processor is None:
         return ds
@@ -149,14 +139,45 @@ def build_dataset(
         compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
         num_cpus=cfg.decode_num_cpus,
     )
+    vision_kwargs = {
+        "processor": os.fspath(processor),
+        "device": cfg.vision_device,  # "auto": cuda when Ray gave this actor a GPU, else cpu
+        "return_multi_modal_inputs": cfg.return_multi_modal_inputs,
+    }
+    return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
+
+
+def read_units_into_pool(plan: InputPlan, cfg: DataConfig, actor, constructor_kwargs: dict, *, epoch: int, ledger):
+    """Read ``plan``'s units straight into a pool of ``actor`` (the tokenizer pool's size and CPUs).
+
+    Same CPUs as the actors, no task cap and whole blocks (``batch_size=None``; the actor slices by
+    ``tokenizer_batch_size``): Ray Data then fuses the read into the actor pool, so each actor reads its unit and
+    processes it in the same process. No read worker has to start (and import Ray Data) before the first batch, and
+    raw rows skip the object store.
+    """
+    source = units_source(plan, cfg, epoch, ledger)
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
+    ds.context.execution_options.preserve_order = True
+    # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
+    # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
+    ds.context.raise_original_map_exception = True
+    return ds.map_batches(
+        actor,
+        fn_constructor_kwargs=constructor_kwargs,
+        batch_size=None,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
+        num_cpus=cfg.tokenizer_num_cpus,
+    )
+
+
+def map_on_vision_pool(ds: ray.data.Dataset, cfg: DataConfig, actor, constructor_kwargs: dict) -> ray.data.Dataset:
+    """``actor`` on the vision pool: CPU actors, or GPU actors when ``vision_num_gpus`` > 0 (fractional allowed)."""
     gpu = {"num_gpus": cfg.vision_num_gpus} if cfg.vision_num_gpus else {}
     return ds.map_batches(
-        VisionActor,
-        fn_constructor_kwargs={
-            "processor": os.fspath(processor),
-            "device": cfg.vision_device,  # "auto": cuda when Ray gave this actor a GPU, else cpu
-            "return_multi_modal_inputs": cfg.return_multi_modal_inputs,
-        },
+        actor,
+        fn_constructor_kwargs=constructor_kwargs,
         batch_size=cfg.vision_batch_size,
         batch_format="pyarrow",
         zero_copy_batch=True,

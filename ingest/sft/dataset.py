@@ -19,7 +19,14 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 
 from ingest.config import DataConfig
 from ingest.errors import SourceError
-from ingest.pipeline import FilesArg, InputPlan, check_model_path, plan_input, units_source
+from ingest.pipeline import (
+    FilesArg,
+    InputPlan,
+    check_model_path,
+    map_on_vision_pool,
+    plan_input,
+    read_units_into_pool,
+)
 from ingest.sources import _describe
 from ingest.vision import tensor_from_record
 
@@ -95,14 +102,11 @@ def build_sft_dataset(
     plan = plan or plan_sft_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import SFTRenderActor, SFTVisionActor
 
-    source = units_source(plan, cfg, epoch, ledger)
-    # As build_dataset: the read is fused into the render actors (same CPUs, no task cap, whole blocks below).
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
-    ds.context.execution_options.preserve_order = True
-    ds.context.raise_original_map_exception = True
-    ds = ds.map_batches(
+    ds = read_units_into_pool(  # one read unit per call; the actor batches (and packs) by tokenizer_batch_size
+        plan,
+        cfg,
         SFTRenderActor,
-        fn_constructor_kwargs={
+        {
             "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
             "config": cfg.to_dict(),
             "files": [_describe(p) for p in plan.files],
@@ -110,25 +114,12 @@ def build_sft_dataset(
             "ledger": ledger,
             "role_to_mask": role_to_mask,
         },
-        batch_size=None,  # one read unit per call; the actor batches (and packs) by tokenizer_batch_size
-        batch_format="pyarrow",
-        zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
-        num_cpus=cfg.tokenizer_num_cpus,
+        epoch=epoch,
+        ledger=ledger,
     )
     if processor is None:
         return ds
-    gpu = {"num_gpus": cfg.vision_num_gpus} if cfg.vision_num_gpus else {}
-    return ds.map_batches(
-        SFTVisionActor,
-        fn_constructor_kwargs={"processor": os.fspath(processor), "device": cfg.vision_device},
-        batch_size=cfg.vision_batch_size,
-        batch_format="pyarrow",
-        zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.vision_pool_min_size, max_size=cfg.vision_pool_max_size),
-        num_cpus=cfg.vision_num_cpus,
-        **gpu,
-    )
+    return map_on_vision_pool(ds, cfg, SFTVisionActor, {"processor": os.fspath(processor), "device": cfg.vision_device})
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
