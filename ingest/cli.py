@@ -112,6 +112,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
         return 0
+    if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
+        from ingest.scale import bench_scale
+
+        print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
         from ingest.bench import bench_refs
 
@@ -153,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=cmd_sample)
 
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft"])
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")
