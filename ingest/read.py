@@ -23,7 +23,16 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from ingest.errors import SourceError
-from ingest.sources import FileInfo, _describe, _failure, check_no_pickles, conform, open_parquet
+from ingest.sources import (
+    FileInfo,
+    _describe,
+    _failure,
+    check_no_pickles,
+    conform,
+    filesystem_for,
+    open_parquet,
+    protocol_of,
+)
 
 FILE_COLUMN = "_ingest_file"
 ROW_COLUMN = "_ingest_row"
@@ -172,6 +181,29 @@ class ParquetUnitsDatasource(Datasource):
         return tasks
 
 
+def _unit_bytes_fetchable(unit: ReadUnit, path: str, storage_options: dict) -> bool:
+    """Whether the byte range of ``unit``'s row groups can be read from the store (without decoding it)."""
+    try:
+        metadata = open_parquet(path, storage_options).metadata
+        spans = []
+        for g in unit.row_groups:
+            group = metadata.row_group(g)
+            for c in range(group.num_columns):
+                column = group.column(c)
+                start = column.dictionary_page_offset or column.data_page_offset
+                spans.append((start, start + column.total_compressed_size))
+        low, high = min(a for a, _ in spans), max(b for _, b in spans)
+        if protocol_of(path) == "file":
+            with open(path.removeprefix("file://"), "rb") as f:
+                f.seek(low)
+                return len(f.read(high - low)) == high - low
+        with filesystem_for(path, storage_options).open(path, "rb") as f:
+            f.seek(low)
+            return len(f.read(high - low)) == high - low
+    except Exception:
+        return False
+
+
 class _UnitReader:
     """The read function of one task (a class, so it pickles without closures over the datasource).
 
@@ -187,7 +219,9 @@ class _UnitReader:
         try:
             yield read_unit(*self.args)
         except SourceError as err:
-            if self.on_bad_row != "quarantine":
+            # Bad data, not a store that fails: only when the unit's bytes can be fetched (so the decode is what
+            # failed) is it quarantined; a store outage always raises, whatever the policy.
+            if self.on_bad_row != "quarantine" or not _unit_bytes_fetchable(*self.args[:2], self.args[3]):
                 raise
             from ingest.stages.tokenize import BatchCounts
             from ingest.stats import report_counts

@@ -309,12 +309,6 @@ def test_permanent_failure_fails_after_bounded_retries_with_a_clear_error(ray_se
     print(f"permanent SlowDown, strict: failed {elapsed:.1f} s after the first error, {reads} data reads: {err}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # only "DID NOT RAISE" (the run completed) is the expected failure
-    reason="quarantine mode quarantines a unit whose read the store failed (ingest/read.py _UnitReader): a store "
-    "outage turns into quarantined rows and a 'successful' run; proposed: store failures always raise",
-)
 def test_permanent_failure_is_not_quarantined_as_bad_data(ray_session, proxy):
     """Default (quarantine) policy: an endpoint that keeps failing is not bad data. The run must stop with the same
     clear error, not quarantine every unit (each after its own retries) and report success. Botocore's
