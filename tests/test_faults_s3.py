@@ -17,9 +17,9 @@ Which layer recovers (Ray 2.60, s3fs 2026.9, aiobotocore 3.10 / botocore 1.43, d
    ``InternalError`` surfaces after botocore's 5 attempts as ``OSError(EREMOTEIO)``).
 3. **our code**: ``open_parquet`` / ``read_unit`` do not retry; they turn the error into one ``SourceError`` naming
    the file (and the unit's first row), credentials redacted. With ``on_bad_row="raise"`` it ends the run. With the
-   default ``"quarantine"``, ``_UnitReader`` currently quarantines the unit's rows as it does for a corrupt data page
-   and goes on (``test_permanent_failure_is_not_quarantined_as_bad_data``, expected to fail until a store failure
-   is told apart from bad data).
+   default ``"quarantine"``, ``_UnitReader`` quarantines the unit only when its row groups' bytes can be fetched
+   again (a corrupt data page); a store that keeps failing raises the same error (that second fetch runs the
+   client's retries once more: ~2 x 40 s for a permanent SlowDown with default settings).
 4. **Ray Data** does not retry it either. The read runs inside the actor task; actor tasks are retried only when the
    actor dies (``max_task_retries=-1``) or on ``RaySystemError``; application errors only if
    ``DataContext.actor_task_retry_on_errors`` is set (default ``False``), and with ``max_errored_blocks`` 0 the first
