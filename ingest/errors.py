@@ -86,6 +86,10 @@ class SourceError(IngestError):
     """A file that cannot be listed, opened or read as Parquet."""
 
 
+class StoreError(SourceError):
+    """The storage system failed to serve a file (after its client's own retries): not bad data, never quarantined."""
+
+
 class ModelLoadError(IngestError):
     """A tokenizer or processor that cannot be loaded."""
 

@@ -22,16 +22,15 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from ingest.errors import SourceError
+from ingest.errors import SourceError, StoreError
 from ingest.sources import (
     FileInfo,
     _describe,
     _failure,
     check_no_pickles,
     conform,
-    filesystem_for,
     open_parquet,
-    protocol_of,
+    store_failed,
 )
 
 FILE_COLUMN = "_ingest_file"
@@ -114,7 +113,8 @@ def read_unit(
     except SourceError:
         raise
     except Exception as exc:
-        raise SourceError(
+        error = StoreError if store_failed(pf) else SourceError  # the store failing vs a corrupt data page
+        raise error(
             _failure(f"cannot read row groups {list(unit.row_groups)}", exc, path, storage_options),
             file=_describe(path),
             row=unit.first_row + unit.slice_start,
@@ -181,29 +181,6 @@ class ParquetUnitsDatasource(Datasource):
         return tasks
 
 
-def _unit_bytes_fetchable(unit: ReadUnit, path: str, storage_options: dict) -> bool:
-    """Whether the byte range of ``unit``'s row groups can be read from the store (without decoding it)."""
-    try:
-        metadata = open_parquet(path, storage_options).metadata
-        spans = []
-        for g in unit.row_groups:
-            group = metadata.row_group(g)
-            for c in range(group.num_columns):
-                column = group.column(c)
-                start = column.dictionary_page_offset or column.data_page_offset
-                spans.append((start, start + column.total_compressed_size))
-        low, high = min(a for a, _ in spans), max(b for _, b in spans)
-        if protocol_of(path) == "file":
-            with open(path.removeprefix("file://"), "rb") as f:
-                f.seek(low)
-                return len(f.read(high - low)) == high - low
-        with filesystem_for(path, storage_options).open(path, "rb") as f:
-            f.seek(low)
-            return len(f.read(high - low)) == high - low
-    except Exception:
-        return False
-
-
 class _UnitReader:
     """The read function of one task (a class, so it pickles without closures over the datasource).
 
@@ -219,9 +196,7 @@ class _UnitReader:
         try:
             yield read_unit(*self.args)
         except SourceError as err:
-            # Bad data, not a store that fails: only when the unit's bytes can be fetched (so the decode is what
-            # failed) is it quarantined; a store outage always raises, whatever the policy.
-            if self.on_bad_row != "quarantine" or not _unit_bytes_fetchable(*self.args[:2], self.args[3]):
+            if self.on_bad_row != "quarantine" or isinstance(err, StoreError):  # a store outage is not bad data
                 raise
             from ingest.stages.tokenize import BatchCounts
             from ingest.stats import report_counts

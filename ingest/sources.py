@@ -17,7 +17,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.errors import SourceError, redact, secret_values
+from ingest.errors import SourceError, StoreError, redact, secret_values
 
 REMOTE_PROTOCOLS = ("s3", "s3a", "hdfs", "webhdfs", "swebhdfs", "gs", "gcs", "abfs", "az", "http", "https")
 _GLOB_CHARS = "*?["
@@ -107,16 +107,63 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
     return out
 
 
+class _TrackedFile:
+    """A remote file handle that remembers the last exception its own reads raised.
+
+    pyarrow re-raises what a Python file raises, so after a failed decode this tells a store failure (the
+    filesystem client gave up: 5xx, throttling, timeouts, refused connections, denied access) from bad bytes.
+    """
+
+    def __init__(self, handle):
+        self._handle = handle
+        self.failure: Exception | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def _call(self, name, *args):
+        try:
+            return getattr(self._handle, name)(*args)
+        except Exception as exc:
+            self.failure = exc
+            raise
+
+    def read(self, *args):
+        return self._call("read", *args)
+
+    def readinto(self, *args):
+        return self._call("readinto", *args)
+
+
+def store_failed(pf: pq.ParquetFile) -> bool:
+    """Whether a read of ``pf`` (from ``open_parquet``) failed in the filesystem client rather than in the decoder."""
+    handle = getattr(pf, "_ingest_handle", None)
+    return handle is not None and handle.failure is not None
+
+
 def open_parquet(path: str, storage_options: dict | None = None) -> pq.ParquetFile:
-    """Open one Parquet file for reading by row group (footer read now, data on demand)."""
-    try:
-        if protocol_of(path) == "file":
+    """Open one Parquet file for reading by row group (footer read now, data on demand).
+
+    ``StoreError`` when the store fails to serve it (after its client's retries), ``SourceError`` when the bytes
+    are not Parquet.
+    """
+    if protocol_of(path) == "file":
+        try:
             return pq.ParquetFile(path.removeprefix("file://"))
-        fs = filesystem_for(path, storage_options)
-        return pq.ParquetFile(fs.open(path, "rb"))
+        except Exception as exc:
+            reason = _failure("cannot read as Parquet", exc, path, storage_options)
+            raise SourceError(reason, file=_describe(path)) from None
+    try:
+        handle = _TrackedFile(filesystem_for(path, storage_options).open(path, "rb"))
     except Exception as exc:
-        reason = _failure("cannot read as Parquet", exc, path, storage_options)
-        raise SourceError(reason, file=_describe(path)) from None
+        raise StoreError(_failure("cannot open", exc, path, storage_options), file=_describe(path)) from None
+    try:
+        pf = pq.ParquetFile(handle)
+    except Exception as exc:
+        error = StoreError if handle.failure is not None else SourceError
+        raise error(_failure("cannot read as Parquet", exc, path, storage_options), file=_describe(path)) from None
+    pf._ingest_handle = handle
+    return pf
 
 
 @dataclass(frozen=True)
@@ -204,7 +251,7 @@ def inspect_files(
             check_no_pickles(info.schema, path)
             return info
         except SourceError as exc:
-            if bad is None:
+            if bad is None or isinstance(exc, StoreError):  # the store failing is not a bad file
                 raise
             if num_rows is None and _empty_file(path, storage_options):
                 num_rows = 0

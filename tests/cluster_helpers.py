@@ -56,7 +56,8 @@ def stop_cluster(port: int, timeout: float = 20) -> None:
         found = []
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = " ".join(proc.info["cmdline"] or [])
-            if marker in cmdline and ("ray" in cmdline or "gcs_server" in cmdline) and proc.pid != os.getpid():
+            ours = marker in cmdline or f"--gcs_server_port={port}" in cmdline  # gcs_server takes its port alone
+            if ours and ("ray" in cmdline or "gcs_server" in cmdline) and proc.pid != os.getpid():
                 found.append(proc)
         return found
 
