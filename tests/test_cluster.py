@@ -173,13 +173,17 @@ def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
         assert result["peak_vision"] == 2, result  # the vision pool grew from 1 to its maximum
         assert result["indices"] == list(range(192))  # every row arrives, once, in order
         # idle CPU worker nodes are removed after the run (idle timeout 6 s); the 2 min_workers GPU nodes stay
-        check = "import ray; ray.init(address='{}', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+        check = (
+            "import ray; ray.init(address='{}', logging_level='ERROR', log_to_driver=False); "
+            "print('ALIVE', sum(n['Alive'] for n in ray.nodes()))"
+        )
         deadline, alive = time.time() + 120, None
         while time.time() < deadline:
             probe = subprocess.run(
                 [sys.executable, "-c", check.format(spec["address"])], env=env, capture_output=True, text=True
             )
-            alive = int(probe.stdout.strip().splitlines()[-1])
+            # the driver also prints the autoscaler's events: read only the marked line
+            alive = int(next(x for x in probe.stdout.splitlines() if x.startswith("ALIVE ")).split()[1])
             if alive == 3:
                 break
             time.sleep(3)
