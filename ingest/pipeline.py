@@ -115,19 +115,7 @@ def build_dataset(
     from actors import DecodeActor, TokenizeActor, VisionActor
 
     ds = read_units_into_pool(
-        plan,
-        cfg,
-        TokenizeActor,
-        {
-            "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
-            "config": cfg.to_dict(),
-            "files": [_describe(p) for p in plan.files],
-            "processor": None if processor is None else os.fspath(processor),
-            "ledger": ledger,
-            "keep_provenance": keep_provenance,
-        },
-        epoch=epoch,
-        ledger=ledger,
+        plan, cfg, TokenizeActor, tokenizer, processor, epoch=epoch, ledger=ledger, keep_provenance=keep_provenance
     )
     if processor is None:
         return ds
@@ -147,8 +135,13 @@ def build_dataset(
     return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
 
 
-def read_units_into_pool(plan: InputPlan, cfg: DataConfig, actor, constructor_kwargs: dict, *, epoch: int, ledger):
+def read_units_into_pool(
+    plan: InputPlan, cfg: DataConfig, actor, tokenizer, processor, *, epoch: int, ledger, **actor_kwargs
+) -> ray.data.Dataset:
     """Read ``plan``'s units straight into a pool of ``actor`` (the tokenizer pool's size and CPUs).
+
+    The actor is built with ``tokenizer``, ``config``, ``files`` (as named in errors), ``processor``, ``ledger`` and
+    ``actor_kwargs``; tokenizer and processor are loaded in the actor, never pickled from the driver.
 
     Same CPUs as the actors, no task cap and whole blocks (``batch_size=None``; the actor slices by
     ``tokenizer_batch_size``): Ray Data then fuses the read into the actor pool, so each actor reads its unit and
@@ -161,6 +154,14 @@ def read_units_into_pool(plan: InputPlan, cfg: DataConfig, actor, constructor_kw
     # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
     # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
     ds.context.raise_original_map_exception = True
+    constructor_kwargs = {
+        "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
+        "config": cfg.to_dict(),
+        "files": [_describe(p) for p in plan.files],
+        "processor": None if processor is None else os.fspath(processor),
+        "ledger": ledger,
+        **actor_kwargs,
+    }
     return ds.map_batches(
         actor,
         fn_constructor_kwargs=constructor_kwargs,

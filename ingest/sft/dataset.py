@@ -103,19 +103,7 @@ def build_sft_dataset(
     from actors import SFTRenderActor, SFTVisionActor
 
     ds = read_units_into_pool(  # one read unit per call; the actor batches (and packs) by tokenizer_batch_size
-        plan,
-        cfg,
-        SFTRenderActor,
-        {
-            "tokenizer": None if tokenizer is None else os.fspath(tokenizer),
-            "config": cfg.to_dict(),
-            "files": [_describe(p) for p in plan.files],
-            "processor": None if processor is None else os.fspath(processor),
-            "ledger": ledger,
-            "role_to_mask": role_to_mask,
-        },
-        epoch=epoch,
-        ledger=ledger,
+        plan, cfg, SFTRenderActor, tokenizer, processor, epoch=epoch, ledger=ledger, role_to_mask=role_to_mask
     )
     if processor is None:
         return ds
