@@ -45,6 +45,10 @@ _previous_current: dict[int, str | None] = {}
 def start_head(port: int, env: dict, *args: str) -> None:
     _previous_current[port] = CURRENT_CLUSTER.read_text() if CURRENT_CLUSTER.exists() else None
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", *args]
+    if not any(a.startswith("--dashboard-agent-listen-port") for a in args):
+        # the agent's HTTP port defaults to 52365 on every node: the test session's own Ray already holds it, and an
+        # agent without its HTTP server never registers, so `ray job submit` answers "No available agent" forever
+        cmd.append(f"--dashboard-agent-listen-port={free_port()}")
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=120)
 
 
