@@ -65,6 +65,9 @@ class DataConfig:
 
     # --- pipeline keys ---
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
+    # the first unit in read order is cut to this many rows (0: not cut): a map task hands on its block when the whole
+    # unit is done, so the first batch then waits for a small unit, not a full one
+    read_first_unit_rows: int = 128
     tokenizer_pool_min_size: int = 1
     tokenizer_pool_max_size: int = 2
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
@@ -103,6 +106,8 @@ class DataConfig:
             raise ValueError(f"on_bad_row must be 'quarantine' or 'raise', got {self.on_bad_row!r}")
         if self.read_rows_per_task < 1 or self.tokenizer_batch_size < 1:
             raise ValueError("read_rows_per_task and tokenizer_batch_size must be >= 1")
+        if self.read_first_unit_rows < 0:
+            raise ValueError(f"read_first_unit_rows must be >= 0, got {self.read_first_unit_rows}")
         self.max_prompt_length = int(self.max_prompt_length)
         self.storage_options = dict(self.storage_options or {})
 

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ingest.chat_template import compile_chat_template, render_chat
+from ingest.chat_template import compile_chat_template, qwen2_vl_text_renderer, render_chat
 from ingest.errors import ModelLoadError
 from ingest.offline import resolve_model_path
 
@@ -45,6 +45,7 @@ class ChatTokenizer:
         if self.chat_template is None:
             raise ModelLoadError(f"tokenizer {path!r} has no chat template")
         self._template = compile_chat_template(self.chat_template)
+        self._fast_render = qwen2_vl_text_renderer(self.chat_template)
 
     def _load_plain(self, path: Path) -> bool:
         config_file, tokenizer_file = path / "tokenizer_config.json", path / "tokenizer.json"
@@ -83,6 +84,10 @@ class ChatTokenizer:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """``apply_chat_template(messages, tokenize=False)`` as transformers 4.x did it (messages as given)."""
+        if self._fast_render is not None:
+            text = self._fast_render(messages, add_generation_prompt)
+            if text is not None:
+                return text
         return render_chat(
             self._template,
             messages,

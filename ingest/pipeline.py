@@ -11,7 +11,7 @@ import ray
 
 from ingest.config import DataConfig
 from ingest.errors import ModelLoadError, SourceError
-from ingest.read import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units
+from ingest.read import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
 from ingest.sources import FileInfo, _describe, expand_files, inspect_files, unify_schemas
 
 FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
@@ -46,7 +46,7 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: 
     units = plan_units(infos, rows_per_task)
     if cfg.shuffle:
         units = shuffle_units(units, cfg.seed, epoch)
-    return InputPlan(paths, infos, units)
+    return InputPlan(paths, infos, split_first_unit(units, cfg.read_first_unit_rows))
 
 
 _MODEL_FILES = {

@@ -13,6 +13,7 @@ Every row carries its provenance: ``_ingest_file`` (index into the file list) an
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,15 @@ def plan_units(infos: Sequence[FileInfo], rows_per_task: int) -> list[ReadUnit]:
         if group:
             units.append(ReadUnit(file_index, tuple(group), group_first, 0, group_rows))
     return [u for u in units if u.num_rows > 0]
+
+
+def split_first_unit(units: list[ReadUnit], rows: int) -> list[ReadUnit]:
+    """Cut the first unit into ``rows`` rows and the rest (both read the same row groups, sliced)."""
+    if not units or rows <= 0 or units[0].num_rows <= rows:
+        return units
+    first = units[0]
+    head = dataclasses.replace(first, slice_stop=first.slice_start + rows)
+    return [head, dataclasses.replace(first, slice_start=head.slice_stop), *units[1:]]
 
 
 def shuffle_units(units: list[ReadUnit], seed: int, epoch: int = 0) -> list[ReadUnit]:

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from ingest import DataConfig, VerlCollate, build_dataset
-from ingest.read import FILE_COLUMN, ROW_COLUMN, plan_units, read_unit
+from ingest.read import FILE_COLUMN, ROW_COLUMN, plan_units, read_unit, split_first_unit
 from ingest.sources import inspect_files
 from ingest.stats import RunLedger
 from tests.conftest import collect
@@ -81,6 +81,17 @@ def test_units_split_a_big_row_group_exactly(tmp_path):
     ]
     assert [(f, r) for f, r, _ in rows] == [(0, r) for r in range(5000)] + [(1, r) for r in range(900)]
     assert all(r == i for _, r, i in rows)
+    # the first unit in read order is cut small (the first batch waits for it), the rest read exactly once
+    ramped = split_first_unit(units, 128)
+    assert [u.num_rows for u in ramped] == [128, 872] + [1000] * 4 + [900]
+    rows = [
+        t.column(ROW_COLUMN)[k].as_py()
+        for u in ramped[:2]
+        for t in [read_unit(u, infos[u.file_index].path, schema, {}, None)]
+        for k in range(t.num_rows)
+    ]
+    assert rows == list(range(1000))
+    assert split_first_unit(units, 0) == units and split_first_unit(units, 5000) == units
 
 
 def test_config_accepts_dict_dictconfig_and_verl_keys():
