@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,16 +40,23 @@ def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, t
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # A fresh HF datasets cache per run: a warm one replays verl's overlong filter from disk
         env["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf-datasets")
-        proc = subprocess.run(
+        # its own process group, killed whole if we stop early: verl's DataLoader / datasets workers are its children
+        with subprocess.Popen(
             [sys.executable, str(RUNNER), mode, json.dumps(spec)],
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
             cwd=tmp,
-        )
+            start_new_session=True,
+        ) as proc:
+            try:
+                _, stderr = proc.communicate(timeout=timeout)
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise
         if proc.returncode != 0:
-            raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{stderr[-4000:]}")
         with open(out, "rb") as f:
             return pickle.load(f)
 

@@ -79,7 +79,25 @@ def dataproto(spec):
     return {"code": code, "batches": results}
 
 
+def _exit_with_parent() -> None:
+    """Linux: get SIGTERM when the process that started us dies, then kill our whole process group (a killed
+    ``ingest bench`` left this runner and its DataLoader workers running, skewing the next measurement)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    if os.getpgid(0) == os.getpid():  # we lead our own group (run_verl starts us so): take our workers down with us
+        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
 def main():
+    _exit_with_parent()
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
     import torch
 
