@@ -40,6 +40,16 @@ def _submit(dashboard: int, submission: str, out, summary_path, env) -> subproce
     )
 
 
+def _ray_job(verb: str, dashboard: int, submission: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ray", "job", verb, f"--address=http://127.0.0.1:{dashboard}", submission],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_demo_job_submitted_with_ray_job_submit(tmp_path):
     port, dashboard = free_port(), free_port()
     token = secrets.token_hex(16)
@@ -54,28 +64,12 @@ def test_demo_job_submitted_with_ray_job_submit(tmp_path):
                 break
             time.sleep(5)
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
-        status = subprocess.run(
-            ["ray", "job", "status", f"--address=http://127.0.0.1:{dashboard}", submission],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        status = _ray_job("status", dashboard, submission, env)
         assert f"Job '{submission}' succeeded" in status.stdout, status.stdout + status.stderr
-        logs = subprocess.run(
-            ["ray", "job", "logs", f"--address=http://127.0.0.1:{dashboard}", submission],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
+        logs = _ray_job("logs", dashboard, submission, env).stdout
         # without the token the job API refuses
-        refused = subprocess.run(
-            ["ray", "job", "status", f"--address=http://127.0.0.1:{dashboard}", submission],
-            env=cluster_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="wrong" + token),
-            capture_output=True,
-            text=True,
-            timeout=60,
+        refused = _ray_job(
+            "status", dashboard, submission, cluster_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="wrong" + token)
         )
         assert refused.returncode != 0
     finally:

@@ -48,6 +48,7 @@ from ingest.errors import find_ingest_error
 from ingest.sample import write_gsm8k_parquet
 from ingest.sources import filesystem_for
 from ingest.stats import RunLedger
+from tests.helpers import moto_s3
 
 ROWS, LONG_EVERY = 2000, 50
 KEY, SECRET = "AKIAFAULTTESTKEY0001", "fault-test-secret-do-not-print"
@@ -154,22 +155,15 @@ def access_key(request) -> str:
 @pytest.fixture(scope="module")
 def s3_data(tmp_path_factory):
     """A moto S3 server holding 2 gsm8k files (2,000 rows, 200-row row groups, every 50th prompt overlong)."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     files = write_gsm8k_parquet(
         tmp_path_factory.mktemp("s3faults"), ROWS, num_files=2, row_group_size=200, long_every=LONG_EVERY
     )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    upstream = f"http://{host}:{port}"
-    fs = filesystem_for("s3://bucket", {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": upstream}})
-    fs.mkdir("faults")
-    for path in files:
-        fs.put(path, f"faults/gsm8k/{os.path.basename(path)}")
-    yield upstream
-    server.stop()
+    with moto_s3() as upstream:
+        fs = filesystem_for("s3://bucket", {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": upstream}})
+        fs.mkdir("faults")
+        for path in files:
+            fs.put(path, f"faults/gsm8k/{os.path.basename(path)}")
+        yield upstream
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from ingest.errors import StoreError, find_ingest_error, redact, secret_values
 from ingest.run import open_inside, run_pipeline, write_summary_json
 from ingest.sources import filesystem_for, inspect_files
 from tests.conftest import collect
+from tests.helpers import moto_s3
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-SECRET"
 TOKEN = "FwoGZXIvYXdzEJr-SESSION-TOKEN-0123456789"
@@ -81,27 +82,16 @@ def test_webhdfs_token_is_not_in_the_error():
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 endpoint holding one file with good rows, a bad row, and a non-Parquet object."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {
-        "key": "AKIDEXAMPLE",
-        "secret": SECRET,
-        "token": TOKEN,
-        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
-    }
-    rows = [_good(i) for i in range(6)]
-    rows[2]["prompt"] = []
-    local = _write(tmp_path_factory.mktemp("s3data") / "train.parquet", rows)
-    fs = filesystem_for("s3://secure", options)
-    fs.mkdir("secure")
-    fs.put(local, "secure/data/train.parquet")
-    fs.pipe("secure/data/zz-broken.parquet", b"not parquet at all")
-    yield options
-    server.stop()
+    with moto_s3() as url:
+        options = {"key": "AKIDEXAMPLE", "secret": SECRET, "token": TOKEN, "client_kwargs": {"endpoint_url": url}}
+        rows = [_good(i) for i in range(6)]
+        rows[2]["prompt"] = []
+        local = _write(tmp_path_factory.mktemp("s3data") / "train.parquet", rows)
+        fs = filesystem_for("s3://secure", options)
+        fs.mkdir("secure")
+        fs.put(local, "secure/data/train.parquet")
+        fs.pipe("secure/data/zz-broken.parquet", b"not parquet at all")
+        yield options
 
 
 def test_s3_run_keeps_credentials_out_of_summary_quarantine_output_logs(ray_session, model_dir, s3, tmp_path, caplog):

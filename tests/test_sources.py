@@ -10,7 +10,7 @@ import pytest
 from ingest import SourceError, build_dataset
 from ingest.sources import expand_files, filesystem_for
 from tests.conftest import collect
-from tests.helpers import assert_same_batches
+from tests.helpers import assert_same_batches, moto_s3
 from tests.webhdfs_server import WebHDFSServer
 
 CONFIG = {"truncation": "left", "shuffle": False, "return_raw_chat": True}
@@ -36,20 +36,13 @@ def local_batches(ray_session, variety_files, model_dir):
 
 @pytest.fixture(scope="module")
 def s3_endpoint(variety_files):
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    options = {"key": "testing-key", "secret": "testing-secret", "client_kwargs": {"endpoint_url": url}}
-    fs = filesystem_for("s3://bucket", options)
-    fs.mkdir("prompts")
-    for path in variety_files:
-        fs.put(path, f"prompts/gsm8k/{os.path.basename(path)}")
-    yield options
-    server.stop()
+    with moto_s3() as url:
+        options = {"key": "testing-key", "secret": "testing-secret", "client_kwargs": {"endpoint_url": url}}
+        fs = filesystem_for("s3://bucket", options)
+        fs.mkdir("prompts")
+        for path in variety_files:
+            fs.put(path, f"prompts/gsm8k/{os.path.basename(path)}")
+        yield options
 
 
 def test_s3_reads_stream_from_a_real_endpoint(ray_session, model_dir, s3_endpoint, local_batches):
