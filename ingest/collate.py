@@ -7,9 +7,11 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from ray.data.collate_fn import ArrowBatchCollateFn
 from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType
 
+from ingest.rowformat import COMPACT_TEXT_COLUMNS, MAX_LENGTH_COLUMN, PAD_ID_COLUMN, TENSOR_COLUMNS, pad_flat
 from ingest.vision import image_from_record, tensor_from_record
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
@@ -27,6 +29,21 @@ def object_array(values: list, *, one_dimensional: bool = False) -> np.ndarray:
     if one_dimensional:
         return np.fromiter(values, dtype=object, count=len(values))
     return np.array(values, dtype=object)
+
+
+def compact_text_tensors(batch: pa.Table) -> dict[str, np.ndarray]:
+    """The padded ``input_ids`` / ``attention_mask`` / ``position_ids`` of a compact text batch (see ``rowformat``)."""
+    if not batch.num_rows:
+        return {name: np.zeros((0, 0), dtype=np.int64) for name in TENSOR_COLUMNS}
+    ids = batch.column("raw_prompt_ids").combine_chunks()
+    max_length = pc.min_max(batch.column(MAX_LENGTH_COLUMN)).as_py()
+    pad = pc.min_max(batch.column(PAD_ID_COLUMN)).as_py()
+    if max_length["min"] != max_length["max"] or pad["min"] != pad["max"]:
+        raise ValueError("a batch mixes rows built with different max_prompt_length or pad token")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+    tensors = pad_flat(flat, lengths, int(max_length["min"]), int(pad["min"]))
+    return dict(zip(TENSOR_COLUMNS, tensors, strict=True))
 
 
 def _video_from_record(record: dict) -> np.ndarray:
@@ -75,8 +92,14 @@ class VerlCollate(ArrowBatchCollateFn):
         import torch
 
         tensors, others = {}, {}
+        if PAD_ID_COLUMN in batch.column_names:
+            for name, array in compact_text_tensors(batch).items():
+                tensor = torch.from_numpy(array)
+                tensors[name] = tensor.to(self.device) if self.device is not None else tensor
         for name in batch.column_names:
             column = batch.column(name)
+            if name in COMPACT_TEXT_COLUMNS:
+                continue
             if _is_tensor_column(column):
                 array = column.combine_chunks().to_numpy() if column.num_chunks != 1 else column.chunk(0).to_numpy()
                 # Arrow buffers are read-only; verl's tensors are writable, so copy those that are not

@@ -103,5 +103,7 @@ class ChatTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``tokenizer(text, add_special_tokens=False)["input_ids"]`` for every text, in one backend call."""
         if self._backend is not None:
-            return [enc.ids for enc in self._backend.encode_batch(texts, add_special_tokens=False)]
+            # encode_batch_fast (tokenizers >= 0.21): the same ids without computing character offsets
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            return [enc.ids for enc in encode(texts, add_special_tokens=False)]
         return self._hf(texts, add_special_tokens=False)["input_ids"]

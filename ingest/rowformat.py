@@ -6,6 +6,7 @@ Functions here take and return numpy / Arrow data for a whole batch at once; the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,21 +30,34 @@ def truncate(ids: Sequence[int], max_length: int, mode: str) -> Sequence[int]:
     raise ValueError(f"cannot truncate with mode {mode!r}")
 
 
-def left_pad(id_lists: Sequence[Sequence[int]], max_length: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad every list (each at most ``max_length`` long) into ``(input_ids, attention_mask)``, int64 (B, M)."""
-    n = len(id_lists)
-    lengths = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=n)
-    input_ids = np.full((n, max_length), pad_token_id, dtype=np.int64)
-    attention_mask = (np.arange(max_length)[None, :] >= (max_length - lengths)[:, None]).astype(np.int64)
-    if lengths.sum():
-        flat = np.fromiter((t for ids in id_lists for t in ids), dtype=np.int64, count=int(lengths.sum()))
-        input_ids[attention_mask.astype(bool)] = flat  # row-major order fills each row's tail in sequence
-    return input_ids, attention_mask
+# Text-path blocks hold each prompt's ids once, unpadded (``raw_prompt_ids``, which on the text path are exactly the
+# tokens of ``input_ids``), plus these two per-row numbers; ``VerlCollate`` builds the padded tensors per batch. That
+# keeps ~24 KB of padding per row (three int64 (1024,) arrays) out of the object store and the driver's batching.
+MAX_LENGTH_COLUMN = "_ingest_max_prompt_length"
+PAD_ID_COLUMN = "_ingest_pad_token_id"
+COMPACT_TEXT_COLUMNS = (MAX_LENGTH_COLUMN, PAD_ID_COLUMN)
 
 
-def text_position_ids(attention_mask: np.ndarray) -> np.ndarray:
-    """``compute_position_id_with_mask``: clip(cumsum(mask) - 1, 0)."""
-    return np.clip(np.cumsum(attention_mask, axis=-1) - 1, 0, None)
+def flatten_ids(id_lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(flat int64 values, int64 lengths) of a batch of token lists."""
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+    flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def pad_flat(flat: np.ndarray, lengths: np.ndarray, max_length: int, pad_token_id: int) -> tuple[np.ndarray, ...]:
+    """Left-padded ``(input_ids, attention_mask, position_ids)``, int64 (B, M), from flat ids + lengths.
+
+    ``position_ids`` is verl's ``compute_position_id_with_mask`` (clip(cumsum(mask) - 1, 0)) in closed form: with left
+    padding the first real token of a row sits at ``M - length``.
+    """
+    start = max_length - np.asarray(lengths, dtype=np.int64)
+    columns = np.arange(max_length, dtype=np.int64)
+    mask = columns[None, :] >= start[:, None]
+    input_ids = np.full((len(start), max_length), pad_token_id, dtype=np.int64)
+    input_ids[mask] = flat  # row-major order fills each row's tail in sequence
+    position_ids = np.maximum(columns[None, :] - start[:, None], 0)
+    return input_ids, mask.astype(np.int64), position_ids
 
 
 def tensor_column(array: np.ndarray) -> pa.Array:
@@ -55,10 +69,9 @@ def tensor_column(array: np.ndarray) -> pa.Array:
 
 def list_column(id_lists: Sequence[Sequence[int]]) -> pa.Array:
     """A ``list<int64>`` column built from flat values + offsets (no per-row Python objects in the block)."""
-    lengths = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))
+    flat, lengths = flatten_ids(id_lists)
     offsets = np.zeros(len(id_lists) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter((t for ids in id_lists for t in ids), dtype=np.int64, count=int(lengths.sum()))
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
 
 

@@ -57,6 +57,23 @@ def test_blocks_are_arrow_native(ray_session, variety_files, model_dir):
     assert pa.types.is_list(batch.schema.field("raw_prompt_ids").type)
     assert FILE_COLUMN not in batch.column_names and ROW_COLUMN not in batch.column_names
 
+    # text blocks are compact: ids once, unpadded; the collate pads them (rowformat.COMPACT_TEXT_COLUMNS)
+    assert not {"input_ids", "attention_mask", "position_ids"} & set(batch.column_names)
+    assert batch.nbytes / batch.num_rows < 4096, batch.nbytes / batch.num_rows  # padded int64 x3 would be 24 KiB
+
+
+def test_pad_flat_matches_verls_padding_and_positions():
+    from ingest.rowformat import flatten_ids, pad_flat
+
+    rows = [[5, 6, 7], [], [1, 2, 3, 4, 5, 6], [9]]
+    input_ids, mask, positions = pad_flat(*flatten_ids(rows), 6, 0)
+    for ids, row, row_mask, row_positions in zip(rows, input_ids, mask, positions, strict=True):
+        expected_mask = [0] * (6 - len(ids)) + [1] * len(ids)
+        assert row.tolist() == [0] * (6 - len(ids)) + ids and row_mask.tolist() == expected_mask
+        # verl's compute_position_id_with_mask
+        assert row_positions.tolist() == np.clip(np.cumsum(expected_mask) - 1, 0, None).tolist()
+    assert input_ids.dtype == mask.dtype == positions.dtype == np.int64
+
 
 def test_read_runs_inside_the_tokenizer_actors(ray_session, variety_files, model_dir):
     # the first-batch latency depends on this fusion: no separate read worker starts before the first batch

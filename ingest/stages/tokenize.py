@@ -23,11 +23,13 @@ from ingest.messages import build_messages, validate_messages
 from ingest.models import ChatTokenizer
 from ingest.read import FILE_COLUMN, PROVENANCE_COLUMNS, ROW_COLUMN
 from ingest.rowformat import (
+    MAX_LENGTH_COLUMN,
+    PAD_ID_COLUMN,
     extra_info_columns,
-    left_pad,
+    flatten_ids,
     list_column,
+    pad_flat,
     tensor_column,
-    text_position_ids,
     truncate,
 )
 from ingest.video import VideoPlan, probe_video
@@ -267,7 +269,11 @@ class PromptTokenizeStage:
         counts.rows_out = len(kept)
         counts.prompt_tokens = int(expanded_lengths[kept].sum())
         if len(kept) != n:
-            table = table.take(kept)
+            # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
+            unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
+            if has_media or not cfg.return_raw_chat:
+                unused.add(cfg.prompt_key)
+            table = table.drop_columns([c for c in table.column_names if c in unused]).take(kept)
         rows = self._rows(
             table,
             [ids[i] for i in kept],
@@ -301,36 +307,25 @@ class PromptTokenizeStage:
     def _rows(self, table, ids, texts, messages, media_bytes, grids, video_plans, video_grids, has_media) -> pa.Table:
         cfg = self.config
         raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
-        if self.vision is None:
-            model_ids = raw_prompt_ids
+        tensors: dict[str, pa.Array] = {}
+        if self.vision is None:  # compact: the collate pads (rowformat.COMPACT_TEXT_COLUMNS)
+            n = len(raw_prompt_ids)
+            tensors[MAX_LENGTH_COLUMN] = pa.array(np.full(n, cfg.max_prompt_length, dtype=np.int32))
+            tensors[PAD_ID_COLUMN] = pa.array(np.full(n, self.tokenizer.pad_token_id, dtype=np.int64))
         else:
             model_ids = [
                 truncate(self._expand(x, g, v), cfg.max_prompt_length, cfg.truncation)
                 for x, g, v in zip(ids, grids, video_grids, strict=True)
             ]
-        input_ids, attention_mask = left_pad(model_ids, cfg.max_prompt_length, self.tokenizer.pad_token_id)
-        if self.vision is not None and self.vision.is_qwen2_vl:
-            position_ids = (
-                np.stack(
-                    [
-                        rope_position_ids(
-                            input_ids[i],
-                            attention_mask[i],
-                            grids[i],
-                            video_grids[i],
-                            image_token_id=self.image_pad_id,
-                            video_token_id=self.video_pad_id,
-                            vision_start_token_id=self.vision_start_id,
-                            merge_size=self.vision.merge_size,
-                        )
-                        for i in range(len(model_ids))
-                    ]
-                )
-                if model_ids
-                else np.zeros((0, 3, cfg.max_prompt_length), dtype=np.int64)
+            flat, lengths = flatten_ids(model_ids)
+            input_ids, attention_mask, position_ids = pad_flat(
+                flat, lengths, cfg.max_prompt_length, self.tokenizer.pad_token_id
             )
-        else:
-            position_ids = text_position_ids(attention_mask)
+            if self.vision.is_qwen2_vl:
+                position_ids = self._rope_positions(input_ids, attention_mask, grids, video_grids)
+            tensors["input_ids"] = tensor_column(input_ids)
+            tensors["attention_mask"] = tensor_column(attention_mask)
+            tensors["position_ids"] = tensor_column(position_ids)
 
         drop = {cfg.prompt_key} | (set() if self.keep_provenance else set(PROVENANCE_COLUMNS))
         if self.vision is not None:
@@ -342,9 +337,7 @@ class PromptTokenizeStage:
             plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
             columns[VIDEO_PLANS_COLUMN] = pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))
             columns[VIDEO_GRIDS_COLUMN] = pa.array(video_grids, type=GRIDS_TYPE)
-        columns["input_ids"] = tensor_column(input_ids)
-        columns["attention_mask"] = tensor_column(attention_mask)
-        columns["position_ids"] = tensor_column(position_ids)
+        columns.update(tensors)
         columns["raw_prompt_ids"] = list_column(raw_prompt_ids)
         if cfg.return_raw_chat:
             if has_media:  # content lists after the <image> split: JSON keeps their exact keys (no null fields)
@@ -355,6 +348,26 @@ class PromptTokenizeStage:
             columns["full_prompts"] = pa.array(texts, type=pa.string())
         columns.update(extra_info_columns(table))
         return pa.table(columns)
+
+    def _rope_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, grids, video_grids) -> np.ndarray:
+        """(B, 3, M) Qwen2-VL rope position ids, row by row (verl's ``get_rope_index``)."""
+        if not len(input_ids):
+            return np.zeros((0, 3, input_ids.shape[1]), dtype=np.int64)
+        return np.stack(
+            [
+                rope_position_ids(
+                    input_ids[i],
+                    attention_mask[i],
+                    grids[i],
+                    video_grids[i],
+                    image_token_id=self.image_pad_id,
+                    video_token_id=self.video_pad_id,
+                    vision_start_token_id=self.vision_start_id,
+                    merge_size=self.vision.merge_size,
+                )
+                for i in range(len(input_ids))
+            ]
+        )
 
 
 def _row_dict(table: pa.Table, i: int) -> dict | None:
