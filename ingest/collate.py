@@ -12,7 +12,7 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType
 
 from ingest.rowformat import COMPACT_TEXT_COLUMNS, MAX_LENGTH_COLUMN, PAD_ID_COLUMN, TENSOR_COLUMNS, pad_flat
-from ingest.vision import image_from_record, tensor_from_record
+from ingest.vision import image_from_array, rgb_arrays, tensor_from_record, tensor_rows
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
 
@@ -50,26 +50,51 @@ def _video_from_record(record: dict) -> np.ndarray:
     return tensor_from_record(record).astype(np.float32)  # fetch_video's float frames (whole numbers, carried as uint8)
 
 
-_MEDIA_BUILDERS = {"image": image_from_record, "video": _video_from_record}
+def _images(column: pa.Array) -> list[list | None]:
+    """PIL RGB images per row (one copy of the pixels, from the block's buffer), with their saved ``info``."""
+    infos = pc.list_flatten(column).field("info").to_pylist() if len(column) else []
+    rows, k = [], 0
+    for row in rgb_arrays(column):
+        if row is None:
+            rows.append(None)
+            continue
+        rows.append([image_from_array(rgb, infos[k + j]) for j, rgb in enumerate(row)])
+        k += len(row)
+    return rows
 
 
-def _media_data(value: dict | None) -> dict:
-    """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` rebuilt at the consumer (modalities the row has)."""
-    if not value:
-        return {}
-    return {kind: [_MEDIA_BUILDERS[kind](r) for r in items] for kind, items in value.items() if items is not None}
+def _media_data(column: pa.ChunkedArray) -> list[dict]:
+    """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` per row, rebuilt at the consumer (modalities the row
+    has; ``{}`` for a row without media)."""
+    column = column.combine_chunks()
+    names = [column.type.field(i).name for i in range(column.type.num_fields)]
+    images = _images(column.field("image")) if "image" in names else [None] * len(column)
+    videos = column.field("video").to_pylist() if "video" in names else [None] * len(column)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out = []
+    for i in range(len(column)):
+        row = {}
+        if valid[i] and images[i] is not None:
+            row["image"] = images[i]
+        if valid[i] and videos[i] is not None:
+            row["video"] = [_video_from_record(r) for r in videos[i]]
+        out.append(row)
+    return out
 
 
-def _media_inputs(value: dict | None, device) -> dict:
+def _media_inputs(column: pa.ChunkedArray, device) -> list[dict]:
+    """The processor's tensors per row as torch tensors (on ``device``), each one copy of the block's bytes."""
     import torch
 
-    if not value:
-        return {}
-    out = {}
-    for key, record in value.items():
-        if record is not None:
-            tensor = torch.from_numpy(tensor_from_record(record))
-            out[key] = tensor.to(device) if device is not None else tensor
+    column = column.combine_chunks()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out: list[dict] = [{} for _ in range(len(column))]
+    for k in range(column.type.num_fields):
+        name = column.type.field(k).name
+        for i, array in enumerate(tensor_rows(column.field(k))):
+            if array is not None and valid[i]:
+                tensor = torch.from_numpy(array)
+                out[i][name] = tensor.to(device) if device is not None else tensor
     return out
 
 
@@ -106,13 +131,13 @@ class VerlCollate(ArrowBatchCollateFn):
                 array = np.ascontiguousarray(array)
                 tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
                 tensors[name] = tensor.to(self.device) if self.device is not None else tensor
+            elif name == "multi_modal_data":
+                others[name] = object_array(_media_data(column), one_dimensional=self.one_dimensional)
+            elif name == "multi_modal_inputs":
+                others[name] = object_array(_media_inputs(column, self.device), one_dimensional=self.one_dimensional)
             else:
                 values = column.to_pylist()
-                if name == "multi_modal_data":
-                    values = [_media_data(v) for v in values]
-                elif name == "multi_modal_inputs":
-                    values = [_media_inputs(v, self.device) for v in values]
-                elif name == "raw_prompt" and pa.types.is_string(column.type):
+                if name == "raw_prompt" and pa.types.is_string(column.type):
                     values = [json.loads(v) for v in values]  # processor path: split messages kept as JSON
                 others[name] = object_array(values, one_dimensional=self.one_dimensional)
         for key, default in ROW_DEFAULTS.items():

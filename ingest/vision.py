@@ -265,17 +265,88 @@ def tensor_from_record(record: dict) -> np.ndarray:
     return array.copy()  # writable, like the processor's own tensors
 
 
+def rgb_arrays(column: pa.ChunkedArray | pa.Array) -> list[list[np.ndarray] | None]:
+    """The (H, W, 3) uint8 pixels of a ``list<IMAGE_STRUCT>`` column, per row (None for a null row), as read-only
+    views of the block's buffer: no copy of the pixel bytes (``to_pylist`` would make two)."""
+    import pyarrow.compute as pc
+
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = lists.offsets.to_numpy()
+    items = lists.values  # not sliced: ``offsets`` index it directly
+    widths = pc.struct_field(items, "width").to_numpy(zero_copy_only=False)
+    heights = pc.struct_field(items, "height").to_numpy(zero_copy_only=False)
+    rgb = pc.struct_field(items, "rgb")
+    starts = np.frombuffer(rgb.buffers()[1], dtype=np.int64)[rgb.offset : rgb.offset + len(rgb) + 1]
+    data = np.frombuffer(rgb.buffers()[2], dtype=np.uint8) if len(rgb) else np.zeros(0, np.uint8)
+    valid = lists.is_valid().to_numpy(zero_copy_only=False)
+    out: list[list[np.ndarray] | None] = []
+    for row in range(len(lists)):
+        if not valid[row]:
+            out.append(None)
+            continue
+        out.append(
+            [
+                data[starts[j] : starts[j + 1]].reshape(int(heights[j]), int(widths[j]), 3)
+                for j in range(offsets[row], offsets[row + 1])
+            ]
+        )
+    return out
+
+
+def tensor_rows_array(values: np.ndarray, lengths: np.ndarray, valid: np.ndarray) -> pa.StructArray:
+    """``TENSOR_STRUCT`` records, row i holding the next ``lengths[i]`` items (first axis) of ``values``; null where
+    not ``valid``. The data child wraps ``values``' memory (no copy; Ray copies once into the object store)."""
+    values = np.ascontiguousarray(values)
+    n = len(lengths)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_bytes = int(np.prod(values.shape[1:], dtype=np.int64)) * values.itemsize
+    byte_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths * row_bytes, out=byte_offsets[1:])
+    validity = pa.array(valid, pa.bool_()).buffers()[1] if not valid.all() else None
+    data = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), n, [validity, pa.py_buffer(byte_offsets), pa.py_buffer(values.reshape(-1).view(np.uint8))]
+    )
+    shapes = np.column_stack([lengths, np.tile(np.array(values.shape[1:], np.int64), (n, 1))]).reshape(-1)
+    shape = pa.ListArray.from_arrays(pa.array(np.arange(0, n * values.ndim + 1, values.ndim, dtype=np.int32)), shapes)
+    dtype = pa.array([values.dtype.str] * n, pa.string())
+    return pa.StructArray.from_arrays([dtype, shape, data], fields=list(TENSOR_STRUCT), mask=pa.array(~valid))
+
+
+def tensor_rows(column: pa.Array) -> list[np.ndarray | None]:
+    """The arrays of a ``TENSOR_STRUCT`` column (None for null rows): one writable copy each, read from the buffer."""
+    import pyarrow.compute as pc
+
+    if not len(column) or column.null_count == len(column):
+        return [None] * len(column)
+    dtypes = pc.struct_field(column, "dtype").to_pylist()
+    shapes = pc.struct_field(column, "shape").to_pylist()
+    data = pc.struct_field(column, "data")
+    starts = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset : data.offset + len(data) + 1]
+    buffer = data.buffers()[2]
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out: list[np.ndarray | None] = []
+    for i in range(len(column)):
+        if not valid[i]:
+            out.append(None)
+            continue
+        dtype = np.dtype(dtypes[i])
+        count = int(starts[i + 1] - starts[i]) // dtype.itemsize
+        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=int(starts[i])) if count else np.zeros(0, dtype)
+        out.append(array.reshape(shapes[i]).copy())  # writable, like the processor's own tensors
+    return out
+
+
 def image_record(rgb: np.ndarray, info: dict | None = None) -> dict:
     height, width = rgb.shape[:2]
     info_json = json.dumps(_encode_info(info or {}))
     return {"width": width, "height": height, "rgb": np.ascontiguousarray(rgb).tobytes(), "info": info_json}
 
 
-def image_from_record(record: dict):
-    """The PIL image verl would hold: same mode, size, pixels and ``info`` (file metadata such as JFIF, dpi)."""
+def image_from_array(rgb: np.ndarray, info_json: str | None = None):
+    """A PIL RGB image of (H, W, 3) uint8 pixels (copied), with ``info`` as ``image_record`` saved it."""
     from PIL import Image
 
-    image = Image.frombytes("RGB", (record["width"], record["height"]), record["rgb"])
-    if record.get("info"):
-        image.info.update(_decode_info(json.loads(record["info"])))
+    image = Image.fromarray(np.ascontiguousarray(rgb))
+    if info_json:
+        image.info.update(_decode_info(json.loads(info_json)))
     return image

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from ingest.pixels import ImagePixels
 from ingest.stages.tokenize import (
     IMAGE_GRIDS_COLUMN,
     MEDIA_BYTES_COLUMN,
@@ -29,8 +30,10 @@ from ingest.vision import (
     TENSOR_STRUCT,
     decode_rgb,
     image_record,
+    rgb_arrays,
     tensor_from_record,
     tensor_record,
+    tensor_rows_array,
 )
 
 MULTI_MODAL_DATA = "multi_modal_data"
@@ -84,13 +87,31 @@ class VisionStage:
     """``multi_modal_data`` pixels -> ``multi_modal_inputs`` (pixel_values, image_grid_thw) on ``device``."""
 
     def __init__(self, processor_path: str, device: str = "cpu", return_multi_modal_inputs: bool = True):
-        from transformers import AutoImageProcessor
-
         self.device = resolve_device(device)
         self.processor_path = processor_path
-        self.image_processor = AutoImageProcessor.from_pretrained(processor_path)
+        # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
+        self.pixels = ImagePixels.from_dir(processor_path)
+        if self.pixels is not None:  # torch / torchvision imports and first-call set-up here, not in the first batch
+            self.pixels([np.zeros((28, 28, 3), dtype=np.uint8)], self.device)
+        self._image_processor = None if self.pixels is not None else self._load_image_processor()
         self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
+
+    def _load_image_processor(self):
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.processor_path)
+
+    @property
+    def image_processor(self):
+        """transformers' image processor for this path (loaded on first use where the torch ops serve the images)."""
+        if self._image_processor is None:
+            self._image_processor = self._load_image_processor()
+        return self._image_processor
+
+    @image_processor.setter
+    def image_processor(self, processor) -> None:
+        self._image_processor = processor
 
     @property
     def video_processor(self):
@@ -104,6 +125,8 @@ class VisionStage:
         return self._video_processor
 
     def pixel_values(self, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        if getattr(self, "pixels", None) is not None:
+            return self.pixels(images, self.device)
         import torch
 
         tensors = [torch.from_numpy(np.array(rgb)).permute(2, 0, 1) for rgb in images]  # writable copies
@@ -118,15 +141,11 @@ class VisionStage:
         if MULTI_MODAL_DATA not in table.column_names:
             return table
         n = table.num_rows
-        images = [
-            None
-            if row is None
-            else [np.frombuffer(r["rgb"], np.uint8).reshape(r["height"], r["width"], 3) for r in row]
-            for row in table.column(MULTI_MODAL_DATA).to_pylist()
-        ]
+        images = rgb_arrays(table.column(MULTI_MODAL_DATA))
         inputs: list[dict] = [{} for _ in range(n)]
+        image_inputs = None
         if any(images):
-            self._split(images, self.pixel_values, table.column(IMAGE_GRIDS_COLUMN), inputs, "pixel_values", "image")
+            image_inputs = self._image_inputs(images, table.column(IMAGE_GRIDS_COLUMN))
         videos = [None] * n
         for i, row in enumerate(table.column(VIDEO_FRAMES_COLUMN).to_pylist()):
             if row is not None:
@@ -151,9 +170,34 @@ class VisionStage:
         table = table.drop_columns([IMAGE_GRIDS_COLUMN, VIDEO_GRIDS_COLUMN, VIDEO_FRAMES_COLUMN])
         if not self.return_multi_modal_inputs:
             return table
-        records = [row or None for row in inputs]
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
-        return table.add_column(index, MULTI_MODAL_INPUTS, pa.array(records, type=_INPUTS_TYPE))
+        return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
+
+    def _image_inputs(self, images: list, expected_grids: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+        """One pixel call over every image of the batch -> per-row ``pixel_values`` / ``image_grid_thw`` records."""
+        pixel_values, grids = self.pixel_values([image for row in images if row for image in row])
+        expected = [g for row in expected_grids.to_pylist() for g in row]
+        if grids.tolist() != expected:
+            raise RuntimeError(f"image grids {grids.tolist()} differ from the tokenizer's {expected}")
+        per_row = np.array([len(row) if row else 0 for row in images], dtype=np.int64)
+        valid = per_row > 0
+        patch_ends = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])  # after each image
+        image_ends = np.concatenate([[0], np.cumsum(per_row)])  # after each row
+        patches_per_row = patch_ends[image_ends[1:]] - patch_ends[image_ends[:-1]]
+        return tensor_rows_array(pixel_values, patches_per_row, valid), tensor_rows_array(grids, per_row, valid)
+
+    @staticmethod
+    def _inputs_column(image_inputs: tuple | None, inputs: list[dict]) -> pa.StructArray:
+        """``multi_modal_inputs``: the image records (zero-copy) beside the video records; null for rows without."""
+        n = len(inputs)
+        videos = [pa.array([row.get(k) for row in inputs], type=TENSOR_STRUCT) for k in _INPUTS_TYPE.names[2:]]
+        if image_inputs is None:
+            image_inputs = (pa.nulls(n, TENSOR_STRUCT), pa.nulls(n, TENSOR_STRUCT))
+        children = [*image_inputs, *videos]
+        has_any = np.zeros(n, dtype=bool)
+        for child in children:
+            has_any |= child.is_valid().to_numpy(zero_copy_only=False)
+        return pa.StructArray.from_arrays(children, fields=list(_INPUTS_TYPE), mask=pa.array(~has_any))
 
     @staticmethod
     def _split(per_row: list, process, expected_grids: pa.ChunkedArray, inputs: list, values_key: str, kind: str):
