@@ -19,6 +19,9 @@ import pyarrow.parquet as pq
 
 BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
 BATCH_SIZE = 64
+# Image prompts on 2 cores: one actor per pool (tokenize, decode, vision). The default 1..2 per pool lets Ray Data
+# start up to four actors there, and the late ones spend seconds importing torch while the machine is saturated.
+MM_POOLS = {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 1, "vision_pool_max_size": 1}
 
 
 def _data(work_dir: Path, rows: int) -> list[str]:
@@ -102,11 +105,13 @@ def _work_dir(work_dir: str | None) -> Path:
     return work
 
 
-def _compare(files: list[str], model: str, config: dict, processor: str | None, work: Path, skip_verl: bool) -> dict:
-    """Ours, then verl 0.5.0, on the same files: rows/s of both and their ratio."""
+def _compare(
+    files: list[str], model: str, config: dict, processor: str | None, work: Path, skip_verl: bool, pools: dict
+) -> dict:
+    """Ours (with ``pools``: our actor pool sizes), then verl 0.5.0, on the same files: rows/s of both, their ratio."""
     from ingest.oracle import run_verl
 
-    entry: dict = {"ours": run_ours(files, model, config, processor=processor)}
+    entry: dict = {"ours": run_ours(files, model, {**config, **pools}, processor=processor)}
     if not skip_verl:
         cfg = {**config, "cache_dir": str(work / "verl-cache")}
         verl = run_verl("bench", files, model, cfg, batch_size=BATCH_SIZE, num_workers=2, processor=processor)
@@ -131,7 +136,7 @@ def bench_mm(rows=(1000,), work_dir: str | None = None, skip_verl: bool = False,
         out = work / f"geo3k-{n}"
         files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
-        entry = {"rows": n, "images": images, **_compare(files, model, mm_config, model, work, skip_verl)}
+        entry = {"rows": n, "images": images, **_compare(files, model, mm_config, model, work, skip_verl, MM_POOLS)}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()
@@ -147,7 +152,7 @@ def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: b
     work = _work_dir(work_dir)
     result = _start_ray()
     for n in rows:
-        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl)}
+        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl, {})}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()
