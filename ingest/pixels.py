@@ -11,14 +11,13 @@ straight into one output tensor. Processor configs with other options go through
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ingest.vision import VisionSpec, smart_resize
+from ingest.vision import VisionSpec, image_processor_config, smart_resize
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 
@@ -35,12 +34,7 @@ class ImagePixels:
     @classmethod
     def from_dir(cls, path: str | Path) -> ImagePixels | None:
         """The processor at ``path`` when its options are the ones implemented here, else None."""
-        path = Path(path)
-        config: dict = {}
-        if (path / "preprocessor_config.json").is_file():
-            config = json.loads((path / "preprocessor_config.json").read_text())
-        elif (path / "processor_config.json").is_file():
-            config = json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
+        config = image_processor_config(path)
         if not cls.supports(config):
             return None
         return cls(

@@ -20,6 +20,17 @@ VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 
 
+def image_processor_config(path: str | Path) -> dict:
+    """The saved image processor config of a model directory (``preprocessor_config.json``, else the
+    ``image_processor`` section of ``processor_config.json``; ``{}`` when neither is there)."""
+    path = Path(path)
+    if (path / "preprocessor_config.json").is_file():
+        return json.loads((path / "preprocessor_config.json").read_text())
+    if (path / "processor_config.json").is_file():
+        return json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
+    return {}
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """The image processor's geometry (Qwen2-VL family), read from a processor directory."""
@@ -40,11 +51,7 @@ class VisionSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> VisionSpec:
         path = Path(path)
-        config: dict = {}
-        if (path / "preprocessor_config.json").is_file():
-            config = json.loads((path / "preprocessor_config.json").read_text())
-        elif (path / "processor_config.json").is_file():
-            config = json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
+        config = image_processor_config(path)
         size = config.get("size") or {}
         video: dict = {}
         if (path / "video_preprocessor_config.json").is_file():

@@ -5,8 +5,8 @@ structs (width, height, rgb bytes) and become ``multi_modal_data["image"]`` PIL 
 sampled frames (PyAV for files, PIL + fetch_image's resize for frame lists) as uint8 arrays.
 
 Vision: RGB pixels -> the image processor's ``pixel_values`` / ``image_grid_thw`` with torch ops on ``device``
-(``ingest.pixels`` for Qwen2-VL processors: resize, rescale + normalize, patchify; transformers for any other). Videos: fetch_video's
-bicubic resize on ``device`` (that is ``multi_modal_data["video"]``), then the video processor's
+(``ingest.pixels`` for Qwen2-VL processors: resize, rescale + normalize, patchify; transformers for any other).
+Videos: fetch_video's bicubic resize on ``device`` (that is ``multi_modal_data["video"]``), then the video processor's
 ``pixel_values_videos`` / ``video_grid_thw``. One processor call per batch and modality; outputs are split back per
 row by the grids, which must equal the ones the tokenize stage derived from headers (they decided how many pad tokens
 ``input_ids`` holds).
