@@ -187,13 +187,8 @@ class MediaProcessor:
 
             if self._image_processor is None:
                 self._pixel_stage = VisionStage(self.path, device="cpu")
-                self._image_processor = self._pixel_stage.image_processor
-            else:
-                stage = VisionStage.__new__(VisionStage)  # its __init__ loads from a path: reuse the loaded one
-                stage.device = "cpu"
-                stage.image_processor = self._image_processor
-                stage.return_multi_modal_inputs = True
-                self._pixel_stage = stage
+            else:  # a processor object (or one loaded from the hub): use it as it is
+                self._pixel_stage = VisionStage.of_image_processor(self._image_processor)
         return self._pixel_stage
 
     def video_processor(self):

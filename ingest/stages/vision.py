@@ -91,11 +91,23 @@ class VisionStage:
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
         self.pixels = ImagePixels.from_dir(processor_path)
-        if self.pixels is not None:  # torch / torchvision imports and first-call set-up here, not in the first batch
+        if self.pixels is not None:  # the torch import and first-call set-up here, not in the first batch
             self.pixels([np.zeros((28, 28, 3), dtype=np.uint8)], self.device)
         self._image_processor = None if self.pixels is not None else self._load_image_processor()
         self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
+
+    @classmethod
+    def of_image_processor(cls, image_processor, device: str = "cpu") -> VisionStage:
+        """A stage that runs an already loaded transformers image processor (images only)."""
+        stage = cls.__new__(cls)
+        stage.device = resolve_device(device)
+        stage.processor_path = None
+        stage.pixels = None
+        stage._image_processor = image_processor
+        stage._video_processor = None
+        stage.return_multi_modal_inputs = True
+        return stage
 
     def _load_image_processor(self):
         from transformers import AutoImageProcessor
@@ -109,10 +121,6 @@ class VisionStage:
             self._image_processor = self._load_image_processor()
         return self._image_processor
 
-    @image_processor.setter
-    def image_processor(self, processor) -> None:
-        self._image_processor = processor
-
     @property
     def video_processor(self):
         if self._video_processor is None:
@@ -125,7 +133,7 @@ class VisionStage:
         return self._video_processor
 
     def pixel_values(self, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        if getattr(self, "pixels", None) is not None:
+        if self.pixels is not None:
             return self.pixels(images, self.device)
         import torch
 
