@@ -199,12 +199,14 @@ def test_prefetch_bounds_the_batches_made_ahead(ray_session, text_ds):
     assert 1 + len(rest) == 25 and ray.get(counter.value.remote()) == 25
 
 
-def _cpus_settle(timeout=30.0):
-    """Available CPUs once they stop changing (actor pools of earlier datasets shut down asynchronously)."""
-    deadline, last = time.monotonic() + timeout, None
+def _cpus_settle(timeout=30.0, quiet_s=3):
+    """Available CPUs once unchanged for ``quiet_s`` one-second reads (actor pools of earlier datasets shut down
+    asynchronously, one actor at a time: a single unchanged read can fall between two of them)."""
+    deadline, last, unchanged = time.monotonic() + timeout, None, 0
     while time.monotonic() < deadline:
         now = ray.available_resources().get("CPU", 0.0)
-        if now == last:
+        unchanged = unchanged + 1 if now == last else 0
+        if unchanged >= quiet_s:
             return now
         last = now
         time.sleep(1.0)
