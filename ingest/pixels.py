@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.vision import VisionSpec, image_processor_config, smart_resize
+from ingest.vision import VisionSpec, image_grid, image_processor_config
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 
@@ -58,11 +58,6 @@ class ImagePixels:
             and len(config.get("image_std") or ()) == 3
         )
 
-    def grid(self, height: int, width: int) -> tuple[int, int, int]:
-        spec = self.spec
-        h, w = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
-        return 1, h // spec.patch_size, w // spec.patch_size
-
     def device_tolerance(self) -> float:
         """Largest ``pixel_values`` difference between the device resize (float passes) and the CPU one (uint8 kernel):
         two uint8 levels, 2 * rescale_factor / std for the smallest std (0.030 for Qwen2-VL)."""
@@ -77,7 +72,7 @@ class ImagePixels:
 
         spec = self.spec
         p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
-        grids = np.array([self.grid(*image.shape[:2]) for image in images], dtype=np.int64).reshape(-1, 3)
+        grids = np.array([image_grid(im.shape[1], im.shape[0], spec) for im in images], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
         out = torch.empty((int(counts.sum()), 3 * t * p * p), dtype=torch.float32, device=device)
         # transformers fuses rescale into normalize the same way (mean / rescale_factor, std / rescale_factor), then

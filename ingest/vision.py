@@ -272,6 +272,13 @@ def tensor_from_record(record: dict) -> np.ndarray:
     return array.copy()  # writable, like the processor's own tensors
 
 
+def _large_binary_layout(array: pa.Array) -> tuple[np.ndarray, pa.Buffer | None]:
+    """(byte offsets of every value, the data buffer) of a ``large_binary`` array, slice offset applied: value i is
+    ``buffer[starts[i]:starts[i + 1]]``, read in place."""
+    starts = np.frombuffer(array.buffers()[1], dtype=np.int64)[array.offset : array.offset + len(array) + 1]
+    return starts, array.buffers()[2]
+
+
 def rgb_arrays(column: pa.ChunkedArray | pa.Array) -> list[list[np.ndarray] | None]:
     """The (H, W, 3) uint8 pixels of a ``list<IMAGE_STRUCT>`` column, per row (None for a null row), as read-only
     views of the block's buffer: no copy of the pixel bytes (``to_pylist`` would make two)."""
@@ -282,9 +289,8 @@ def rgb_arrays(column: pa.ChunkedArray | pa.Array) -> list[list[np.ndarray] | No
     items = lists.values  # not sliced: ``offsets`` index it directly
     widths = pc.struct_field(items, "width").to_numpy(zero_copy_only=False)
     heights = pc.struct_field(items, "height").to_numpy(zero_copy_only=False)
-    rgb = pc.struct_field(items, "rgb")
-    starts = np.frombuffer(rgb.buffers()[1], dtype=np.int64)[rgb.offset : rgb.offset + len(rgb) + 1]
-    data = np.frombuffer(rgb.buffers()[2], dtype=np.uint8) if len(rgb) else np.zeros(0, np.uint8)
+    starts, buffer = _large_binary_layout(pc.struct_field(items, "rgb"))
+    data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(0, np.uint8)
     valid = lists.is_valid().to_numpy(zero_copy_only=False)
     out: list[list[np.ndarray] | None] = []
     for row in range(len(lists)):
@@ -327,9 +333,7 @@ def tensor_rows(column: pa.Array) -> list[np.ndarray | None]:
         return [None] * len(column)
     dtypes = pc.struct_field(column, "dtype").to_pylist()
     shapes = pc.struct_field(column, "shape").to_pylist()
-    data = pc.struct_field(column, "data")
-    starts = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset : data.offset + len(data) + 1]
-    buffer = data.buffers()[2]
+    starts, buffer = _large_binary_layout(pc.struct_field(column, "data"))
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     out: list[np.ndarray | None] = []
     for i in range(len(column)):
