@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -83,19 +84,52 @@ def _media_data(column: pa.ChunkedArray) -> list[dict]:
 
 
 def _media_inputs(column: pa.ChunkedArray, device) -> list[dict]:
-    """The processor's tensors per row as torch tensors (on ``device``), each one copy of the block's bytes."""
+    """The processor's tensors per row as torch tensors (on ``device``): one copy of the block's bytes each, or for
+    uint8 patches (``PIXELS_STRUCT``) the processor's float32 ``pixel_values`` built from them on ``device``."""
     import torch
 
-    column = column.combine_chunks()
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    out: list[dict] = [{} for _ in range(len(column))]
-    for k in range(column.type.num_fields):
-        name = column.type.field(k).name
-        for i, array in enumerate(tensor_rows(column.field(k))):
-            if array is not None and valid[i]:
-                tensor = torch.from_numpy(array)
-                out[i][name] = tensor.to(device) if device is not None else tensor
+    out: list[dict] = []
+    for chunk in column.chunks:  # chunk by chunk: combining them would copy every pixel once more
+        rows: list[dict] = [{} for _ in range(len(chunk))]
+        valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+        for k in range(chunk.type.num_fields):
+            field = chunk.field(k)
+            name = chunk.type.field(k).name
+            norms = _pixel_norms(field)
+            for i, array in enumerate(tensor_rows(field, copy=norms is None)):
+                if array is None or not valid[i]:
+                    continue
+                if norms is not None and norms[i] is not None:
+                    rows[i][name] = _finish_pixels(array, *norms[i], device)
+                else:
+                    tensor = torch.from_numpy(array)
+                    rows[i][name] = tensor.to(device) if device is not None else tensor
+        out.extend(rows)
     return out
+
+
+def _pixel_norms(field: pa.Array) -> list[tuple | None] | None:
+    """(temporal_patch_size, mean, std) per row of a ``PIXELS_STRUCT`` field (None: final values); None otherwise."""
+    if "temporal_patch_size" not in {field.type.field(i).name for i in range(field.type.num_fields)}:
+        return None
+    temporal = pc.struct_field(field, "temporal_patch_size").to_pylist()
+    mean = pc.struct_field(field, "mean").to_pylist()
+    std = pc.struct_field(field, "std").to_pylist()
+    return [None if t is None else (t, m, s) for t, m, s in zip(temporal, mean, std, strict=True)]
+
+
+def _finish_pixels(patches: np.ndarray, temporal_patch_size: int, mean: list, std: list, device):
+    """uint8 patches (a read-only view of the block) -> float32 ``pixel_values``, on ``device`` when given (the
+    uint8 bytes move there, not the eight times larger floats)."""
+    import torch
+
+    from ingest.pixels import normalize_patches
+
+    if device is not None:
+        with warnings.catch_warnings():  # only read
+            warnings.simplefilter("ignore", UserWarning)
+            patches = torch.from_numpy(patches).to(device)
+    return normalize_patches(patches, tuple(mean), tuple(std), temporal_patch_size)
 
 
 class VerlCollate(ArrowBatchCollateFn):

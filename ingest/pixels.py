@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -63,39 +64,68 @@ class ImagePixels:
         two uint8 levels, 2 * rescale_factor / std for the smallest std (0.030 for Qwen2-VL)."""
         return 2 * self.rescale_factor / min(self.image_std) + 1e-6
 
+    @cached_property
+    def norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(mean, std) as the float32 values the normalize divides by: transformers fuses rescale into normalize
+        (mean / rescale_factor, std / rescale_factor) and normalizes the float image, (x - mean) / std."""
+        import torch
+
+        scale = 1.0 / self.rescale_factor
+        mean = torch.tensor(self.image_mean) * scale
+        std = torch.tensor(self.image_std) * scale
+        return tuple(mean.tolist()), tuple(std.tolist())
+
     def __call__(
         self, images: list[np.ndarray], device: str = "cpu", native_uint8: bool | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(H, W, 3) uint8 RGB arrays -> (``pixel_values`` float32 (patches, C*T*P*P), ``image_grid_thw`` int64).
         ``native_uint8``: the resize kernel (default: the uint8 one on CPU, float on other devices)."""
+        patches, grids = self.patches(images, device, native_uint8)
+        mean, std = self.norm
+        values = normalize_patches(patches, mean, std, self.spec.temporal_patch_size)
+        return values.cpu().numpy(), grids
+
+    def patches(self, images: list[np.ndarray], device: str = "cpu", native_uint8: bool | None = None):
+        """(H, W, 3) uint8 RGB arrays -> (uint8 patches (patches, C, P, P) on ``device`` in the processor's patch
+        order, ``image_grid_thw`` int64). ``normalize_patches`` turns them into ``pixel_values``: blocks carry these,
+        an eighth of the float32 bytes (one frame instead of ``temporal_patch_size``, one byte per value)."""
         import torch
 
         spec = self.spec
-        p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+        p, m = spec.patch_size, spec.merge_size
         grids = np.array([image_grid(im.shape[1], im.shape[0], spec) for im in images], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
-        out = torch.empty((int(counts.sum()), 3 * t * p * p), dtype=torch.float32, device=device)
-        # transformers fuses rescale into normalize the same way (mean / rescale_factor, std / rescale_factor), then
-        # normalizes the float image: (x - mean) / std
-        mean = torch.tensor(self.image_mean, device=device) * (1.0 / self.rescale_factor)
-        std = torch.tensor(self.image_std, device=device) * (1.0 / self.rescale_factor)
-        # Patchify the uint8 image first (a quarter of the bytes to gather), converting to float on the copy into the
-        # output; then normalize there in place: the same float ops on the same values as normalize-then-patchify.
-        mean = mean.view(1, 1, 1, 1, 3, 1, 1, 1)
-        std = std.view(1, 1, 1, 1, 3, 1, 1, 1)
+        out = torch.empty((int(counts.sum()), 3, p, p), dtype=torch.uint8, device=device)
         start = 0
         for image, (_, gh, gw), count in zip(images, grids.tolist(), counts.tolist(), strict=True):
             with warnings.catch_warnings():  # a read-only view of the block: only read (resize makes a new tensor)
                 warnings.simplefilter("ignore", UserWarning)
                 pixels = torch.from_numpy(np.ascontiguousarray(image)).to(device).permute(2, 0, 1)
             resized = resize_bicubic(pixels[None], gh * p, gw * p, native_uint8)
-            patches = resized.view(1, 3, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
-            # (gh/m, gw/m, m, m, C, 1, P, P): every temporal slot gets the same frame, as the processor's repeat does
-            target = out[start : start + count].view(gh // m, gw // m, m, m, 3, t, p, p)
-            target.copy_(patches.expand(-1, -1, -1, -1, -1, t, -1, -1))
-            target.sub_(mean).div_(std)
+            # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P), the processor's patch order
+            source = resized.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+            out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
             start += count
-        return out.cpu().numpy(), grids
+        return out, grids
+
+
+def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], temporal_patch_size: int):
+    """uint8 patches (n, C, P, P) (torch or numpy) -> ``pixel_values`` (n, C*T*P*P) float32 on the patches' device:
+    each patch repeated to ``temporal_patch_size`` frames (the processor's image repeat), then (x - mean) / std per
+    channel. The same float ops on the same values as the processor's normalize-then-patchify, so bit-equal."""
+    import torch
+
+    if isinstance(patches, np.ndarray):
+        with warnings.catch_warnings():  # read-only block views are only read
+            warnings.simplefilter("ignore", UserWarning)
+            patches = torch.from_numpy(patches)
+    n, channels, p, _ = patches.shape
+    t = temporal_patch_size
+    out = torch.empty((n, channels, t, p * p), dtype=torch.float32, device=patches.device)
+    out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
+    out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
+    out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
+    return out.view(n, channels * t * p * p)
 
 
 def resize_bicubic(images, height: int, width: int, native_uint8: bool | None = None):

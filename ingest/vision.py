@@ -257,6 +257,18 @@ def rope_position_ids(
 # --- tensors and images inside Arrow blocks (plain structs, no pickled objects) -------------------------------------
 
 TENSOR_STRUCT = pa.struct([("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.large_binary())])
+# ``multi_modal_inputs.pixel_values`` of images: a tensor record, plus how to finish it where ``temporal_patch_size``
+# is set: the data are uint8 patches (n, C, P, P) that ``pixels.normalize_patches`` turns into the processor's
+# float32 ``pixel_values`` at the consumer (an eighth of the bytes through the object store). Null there: the data
+# are the final float32 values (processors without our torch ops).
+PIXELS_STRUCT = pa.struct(
+    [
+        *TENSOR_STRUCT,
+        ("temporal_patch_size", pa.int32()),
+        ("mean", pa.list_(pa.float32())),
+        ("std", pa.list_(pa.float32())),
+    ]
+)
 IMAGE_STRUCT = pa.struct(
     [("width", pa.int32()), ("height", pa.int32()), ("rgb", pa.large_binary()), ("info", pa.string())]
 )
@@ -325,8 +337,28 @@ def tensor_rows_array(values: np.ndarray, lengths: np.ndarray, valid: np.ndarray
     return pa.StructArray.from_arrays([dtype, shape, data], fields=list(TENSOR_STRUCT), mask=pa.array(~valid))
 
 
-def tensor_rows(column: pa.Array) -> list[np.ndarray | None]:
-    """The arrays of a ``TENSOR_STRUCT`` column (None for null rows): one writable copy each, read from the buffer."""
+def pixel_rows_array(
+    values: np.ndarray, lengths: np.ndarray, valid: np.ndarray, norm: tuple | None = None, temporal_patch_size: int = 0
+) -> pa.StructArray:
+    """``PIXELS_STRUCT`` records (see there): ``tensor_rows_array`` of ``values``, with ``norm`` = (mean, std) and
+    ``temporal_patch_size`` on every valid row when ``values`` are uint8 patches still to normalize."""
+    tensors = tensor_rows_array(values, lengths, valid)
+    n = len(lengths)
+    if norm is None:
+        extra = [pa.nulls(n, pa.int32()), pa.nulls(n, pa.list_(pa.float32())), pa.nulls(n, pa.list_(pa.float32()))]
+    else:
+        offsets = pa.array(np.arange(0, 3 * n + 1, 3, dtype=np.int32))
+        extra = [
+            pa.array(np.full(n, temporal_patch_size, dtype=np.int32)),
+            *(pa.ListArray.from_arrays(offsets, pa.array(np.tile(np.asarray(v, dtype=np.float32), n))) for v in norm),
+        ]
+    children = [tensors.field(i) for i in range(tensors.type.num_fields)] + extra
+    return pa.StructArray.from_arrays(children, fields=list(PIXELS_STRUCT), mask=pa.array(~valid))
+
+
+def tensor_rows(column: pa.Array, copy: bool = True) -> list[np.ndarray | None]:
+    """The arrays of a ``TENSOR_STRUCT`` column (None for null rows), read from the buffer: one writable copy each
+    (like the processor's own tensors), or read-only views of the block with ``copy=False``."""
     import pyarrow.compute as pc
 
     if not len(column) or column.null_count == len(column):
@@ -343,7 +375,8 @@ def tensor_rows(column: pa.Array) -> list[np.ndarray | None]:
         dtype = np.dtype(dtypes[i])
         count = int(starts[i + 1] - starts[i]) // dtype.itemsize
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=int(starts[i])) if count else np.zeros(0, dtype)
-        out.append(array.reshape(shapes[i]).copy())  # writable, like the processor's own tensors
+        array = array.reshape(shapes[i])
+        out.append(array.copy() if copy else array)
     return out
 
 

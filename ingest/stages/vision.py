@@ -27,9 +27,11 @@ from ingest.stages.tokenize import (
 from ingest.video import decode_video_frames, resize_frames
 from ingest.vision import (
     IMAGE_STRUCT,
+    PIXELS_STRUCT,
     TENSOR_STRUCT,
     decode_rgb,
     image_record,
+    pixel_rows_array,
     rgb_arrays,
     tensor_from_record,
     tensor_record,
@@ -43,7 +45,7 @@ _FRAMES_STRUCT = pa.struct([("frames", TENSOR_STRUCT), ("height", pa.int64()), (
 _DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT)), ("video", pa.list_(TENSOR_STRUCT))])
 _INPUTS_TYPE = pa.struct(
     [
-        ("pixel_values", TENSOR_STRUCT),
+        ("pixel_values", PIXELS_STRUCT),
         ("image_grid_thw", TENSOR_STRUCT),
         ("pixel_values_videos", TENSOR_STRUCT),
         ("video_grid_thw", TENSOR_STRUCT),
@@ -182,8 +184,14 @@ class VisionStage:
         return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
 
     def _image_inputs(self, images: list, expected_grids: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
-        """One pixel call over every image of the batch -> per-row ``pixel_values`` / ``image_grid_thw`` records."""
-        pixel_values, grids = self.pixel_values([image for row in images if row for image in row])
+        """One pixel call over every image of the batch -> per-row ``pixel_values`` / ``image_grid_thw`` records
+        (uint8 patches for the consumer to normalize where our torch ops serve the processor, see ``PIXELS_STRUCT``)."""
+        flat = [image for row in images if row for image in row]
+        if self.pixels is not None:
+            patches, grids = self.pixels.patches(flat, self.device)
+            pixel_values, norm = patches.cpu().numpy(), self.pixels.norm
+        else:
+            (pixel_values, grids), norm = self.pixel_values(flat), None
         expected = [g for row in expected_grids.to_pylist() for g in row]
         if grids.tolist() != expected:
             raise RuntimeError(f"image grids {grids.tolist()} differ from the tokenizer's {expected}")
@@ -192,7 +200,11 @@ class VisionStage:
         patch_ends = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])  # after each image
         image_ends = np.concatenate([[0], np.cumsum(per_row)])  # after each row
         patches_per_row = patch_ends[image_ends[1:]] - patch_ends[image_ends[:-1]]
-        return tensor_rows_array(pixel_values, patches_per_row, valid), tensor_rows_array(grids, per_row, valid)
+        temporal = self.pixels.spec.temporal_patch_size if self.pixels is not None else 0
+        return (
+            pixel_rows_array(pixel_values, patches_per_row, valid, norm, temporal),
+            tensor_rows_array(grids, per_row, valid),
+        )
 
     @staticmethod
     def _inputs_column(image_inputs: tuple | None, inputs: list[dict]) -> pa.StructArray:
@@ -200,7 +212,7 @@ class VisionStage:
         n = len(inputs)
         videos = [pa.array([row.get(k) for row in inputs], type=TENSOR_STRUCT) for k in _INPUTS_TYPE.names[2:]]
         if image_inputs is None:
-            image_inputs = (pa.nulls(n, TENSOR_STRUCT), pa.nulls(n, TENSOR_STRUCT))
+            image_inputs = (pa.nulls(n, PIXELS_STRUCT), pa.nulls(n, TENSOR_STRUCT))
         children = [*image_inputs, *videos]
         has_any = np.zeros(n, dtype=bool)
         for child in children:
