@@ -380,14 +380,37 @@ def tensor_rows(column: pa.Array, copy: bool = True) -> list[np.ndarray | None]:
     return out
 
 
-def image_record(rgb: np.ndarray, info: dict | None = None) -> dict:
-    height, width = rgb.shape[:2]
-    info_json = json.dumps(_encode_info(info or {}))
-    return {"width": width, "height": height, "rgb": np.ascontiguousarray(rgb).tobytes(), "info": info_json}
+def image_rows_array(rows: list[list[tuple[np.ndarray, dict]] | None]) -> pa.ListArray:
+    """``list<IMAGE_STRUCT>`` per row (null for None) from (H, W, 3) uint8 pixels and PIL ``info``: the pixels copied
+    once, into one buffer (no per-image ``bytes`` objects)."""
+    flat = [image for row in rows if row for image in row]
+    arrays = [np.ascontiguousarray(rgb).reshape(-1) for rgb, _ in flat]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    # Arrow's memory pool keeps freed pages for the next block (a fresh numpy buffer would page-fault every time)
+    buffer = pa.allocate_buffer(int(offsets[-1]))
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    for array, start in zip(arrays, offsets[:-1].tolist(), strict=True):
+        data[start : start + array.size] = array
+    rgb = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(arrays), [None, pa.py_buffer(offsets), buffer])
+    images = pa.StructArray.from_arrays(
+        [
+            pa.array([image.shape[1] for image, _ in flat], pa.int32()),
+            pa.array([image.shape[0] for image, _ in flat], pa.int32()),
+            rgb,
+            pa.array([json.dumps(_encode_info(info or {})) for _, info in flat], pa.string()),
+        ],
+        fields=list(IMAGE_STRUCT),
+    )
+    counts = np.array([len(row) if row else 0 for row in rows], dtype=np.int32)
+    list_offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(counts, out=list_offsets[1:])
+    missing = pa.array([row is None for row in rows], pa.bool_())
+    return pa.ListArray.from_arrays(pa.array(list_offsets), images, mask=missing)
 
 
 def image_from_array(rgb: np.ndarray, info_json: str | None = None):
-    """A PIL RGB image of (H, W, 3) uint8 pixels (copied), with ``info`` as ``image_record`` saved it."""
+    """A PIL RGB image of (H, W, 3) uint8 pixels (copied), with ``info`` as ``image_rows_array`` saved it."""
     from PIL import Image
 
     image = Image.fromarray(np.ascontiguousarray(rgb))

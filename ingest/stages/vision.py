@@ -30,7 +30,7 @@ from ingest.vision import (
     PIXELS_STRUCT,
     TENSOR_STRUCT,
     decode_rgb,
-    image_record,
+    image_rows_array,
     pixel_rows_array,
     rgb_arrays,
     tensor_from_record,
@@ -60,7 +60,7 @@ class DecodeStage:
         if MEDIA_BYTES_COLUMN not in table.column_names:
             return table
         encoded = table.column(MEDIA_BYTES_COLUMN).to_pylist()
-        images = [None if row is None else [image_record(*decode_rgb(b)) for b in row] for row in encoded]
+        images = image_rows_array([None if row is None else [decode_rgb(b) for b in row] for row in encoded])
         plans = table.column(VIDEO_PLANS_COLUMN).to_pylist()
         frames = [
             None
@@ -72,7 +72,7 @@ class DecodeStage:
             for row in plans
         ]
         index = table.column_names.index(MEDIA_BYTES_COLUMN)
-        table = table.set_column(index, MULTI_MODAL_DATA, pa.array(images, type=pa.list_(IMAGE_STRUCT)))
+        table = table.set_column(index, MULTI_MODAL_DATA, images)
         index = table.column_names.index(VIDEO_PLANS_COLUMN)
         return table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
 
