@@ -115,8 +115,10 @@ def _compare(
     """Ours (with ``pools``: our actor pool sizes), then verl 0.5.0, on the same files: rows/s of both, their ratio."""
     from ingest.oracle import run_verl
 
+    _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
     entry: dict = {"ours": run_ours(files, model, {**config, **pools}, processor=processor)}
     if not skip_verl:
+        _settle()
         cfg = {**config, "cache_dir": str(work / "verl-cache")}
         verl = run_verl("bench", files, model, cfg, batch_size=BATCH_SIZE, num_workers=2, processor=processor)
         entry["verl"] = verl
