@@ -119,6 +119,38 @@ def test_pixel_ops_equal_transformers_image_processor(model_dir):
     assert np.array_equal(ours, theirs["pixel_values"].numpy())
 
 
+def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model_dir):
+    """The vision stage's ``pixel_values`` records hold uint8 patches (an eighth of the float32 bytes); the collate
+    turns them into exactly the processor's float32 values, per row, on the requested device."""
+    from ingest.collate import _media_inputs
+    from ingest.pixels import ImagePixels
+    from ingest.stages.vision import VisionStage
+
+    pixels = ImagePixels.from_dir(model_dir)
+    rgbs = _sample_rgbs()
+    expected, grids = pixels(rgbs)
+    rows = [rgbs[:2], None, rgbs[2:]]
+    stage = VisionStage(model_dir)
+    per_row = [grids[:2].tolist(), [], grids[2:].tolist()]
+    values, image_grids = stage._image_inputs(rows, pa.chunked_array([per_row]))
+    record = values[0].as_py()
+    assert record["dtype"] == "|u1" and record["shape"][1:] == [3, 14, 14] and record["temporal_patch_size"] == 2
+    assert sum(len(values[i].as_py()["data"]) for i in (0, 2)) * 8 == expected.nbytes
+    column = pa.chunked_array(
+        [pa.StructArray.from_arrays([values, image_grids], names=["pixel_values", "image_grid_thw"])]
+    )
+    for device in (None, "meta"):
+        collated = _media_inputs(column, device)
+        assert collated[1] == {}
+        if device == "meta":
+            assert {t.device.type for row in (0, 2) for t in collated[row].values()} == {"meta"}
+            continue
+        assert all(t.dtype == torch.float32 for t in (collated[0]["pixel_values"], collated[2]["pixel_values"]))
+        together = torch.cat([collated[0]["pixel_values"], collated[2]["pixel_values"]]).numpy()
+        assert np.array_equal(together, expected)
+        assert np.array_equal(np.concatenate([collated[0]["image_grid_thw"], collated[2]["image_grid_thw"]]), grids)
+
+
 def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
     """The GPU path's code (float resize passes) run on the CPU: grids equal, pixels within two uint8 levels."""
     from ingest.pixels import ImagePixels
