@@ -13,7 +13,7 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType
 
 from ingest.rowformat import COMPACT_TEXT_COLUMNS, MAX_LENGTH_COLUMN, PAD_ID_COLUMN, TENSOR_COLUMNS, pad_flat
-from ingest.vision import image_from_array, rgb_arrays, tensor_from_record, tensor_rows
+from ingest.vision import contiguous, image_from_array, rgb_arrays, tensor_from_record, tensor_rows
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
 
@@ -66,8 +66,12 @@ def _images(column: pa.Array) -> list[list | None]:
 
 def _media_data(column: pa.ChunkedArray) -> list[dict]:
     """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` per row, rebuilt at the consumer (modalities the row
-    has; ``{}`` for a row without media)."""
-    column = column.combine_chunks()
+    has; ``{}`` for a row without media). Chunk by chunk: a batch spanning blocks would otherwise copy its pixels
+    once more before PIL copies them."""
+    return [row for chunk in column.chunks for row in _media_data_chunk(chunk)]
+
+
+def _media_data_chunk(column: pa.Array) -> list[dict]:
     names = [column.type.field(i).name for i in range(column.type.num_fields)]
     images = _images(column.field("image")) if "image" in names else [None] * len(column)
     videos = column.field("video").to_pylist() if "video" in names else [None] * len(column)
@@ -160,7 +164,7 @@ class VerlCollate(ArrowBatchCollateFn):
             if name in COMPACT_TEXT_COLUMNS:
                 continue
             if _is_tensor_column(column):
-                array = column.combine_chunks().to_numpy() if column.num_chunks != 1 else column.chunk(0).to_numpy()
+                array = contiguous(column).to_numpy()
                 # Arrow buffers are read-only; verl's tensors are writable, so copy those that are not
                 array = np.ascontiguousarray(array)
                 tensor = torch.from_numpy(array if array.flags.writeable else array.copy())

@@ -41,7 +41,7 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: 
                 column=cfg.prompt_key,
             )
     rows_per_task = cfg.read_rows_per_task
-    if multimodal:  # a map task emits its block when its whole input is done: keep image units small
+    if multimodal:  # decode / vision take one unit's block per call and emit it when done: keep image units small
         rows_per_task = min(rows_per_task, 4 * cfg.vision_batch_size)
     units = plan_units(infos, rows_per_task)
     if cfg.shuffle:
@@ -121,7 +121,7 @@ def build_dataset(
         return ds
     ds = ds.map_batches(
         DecodeActor,
-        batch_size=cfg.vision_batch_size,
+        batch_size=None,  # one whole block per call: the output block stays one Arrow chunk (docs/design.md)
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
@@ -179,7 +179,9 @@ def map_on_vision_pool(ds: ray.data.Dataset, cfg: DataConfig, actor, constructor
     return ds.map_batches(
         actor,
         fn_constructor_kwargs=constructor_kwargs,
-        batch_size=cfg.vision_batch_size,
+        # CPU: one whole block per call, as decode. Ray Data needs a fixed batch size for GPU actors: there the
+        # output block has one chunk per call, and slicing it later combines (copies) them.
+        batch_size=cfg.vision_batch_size if gpu else None,
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.vision_pool_min_size, max_size=cfg.vision_pool_max_size),

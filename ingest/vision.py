@@ -284,6 +284,11 @@ def tensor_from_record(record: dict) -> np.ndarray:
     return array.copy()  # writable, like the processor's own tensors
 
 
+def contiguous(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array: its only chunk as is (``combine_chunks`` copies even a single chunk), else combined."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
 def _large_binary_layout(array: pa.Array) -> tuple[np.ndarray, pa.Buffer | None]:
     """(byte offsets of every value, the data buffer) of a ``large_binary`` array, slice offset applied: value i is
     ``buffer[starts[i]:starts[i + 1]]``, read in place."""
@@ -296,7 +301,7 @@ def rgb_arrays(column: pa.ChunkedArray | pa.Array) -> list[list[np.ndarray] | No
     views of the block's buffer: no copy of the pixel bytes (``to_pylist`` would make two)."""
     import pyarrow.compute as pc
 
-    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    lists = contiguous(column) if isinstance(column, pa.ChunkedArray) else column
     offsets = lists.offsets.to_numpy()
     items = lists.values  # not sliced: ``offsets`` index it directly
     widths = pc.struct_field(items, "width").to_numpy(zero_copy_only=False)

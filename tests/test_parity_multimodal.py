@@ -151,6 +151,17 @@ def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model
         assert np.array_equal(np.concatenate([collated[0]["image_grid_thw"], collated[2]["image_grid_thw"]]), grids)
 
 
+def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_files, model_dir):
+    """Decode and vision take whole blocks, so each output block is one Arrow chunk per column: slicing it into
+    trainer batches (or the next stage's batches) copies no pixels. With per-call batches smaller than a block, Ray
+    Data would concatenate the outputs into a multi-chunk block that every slice first combines (copies)."""
+    ds = build_dataset(geo3k_files, model_dir, {"shuffle": False, "vision_batch_size": 4}, processor=model_dir)
+    blocks = [ray.get(entry.ref) for bundle in ds.iter_internal_ref_bundles() for entry in bundle.blocks]
+    assert sum(b.num_rows for b in blocks) > 0 and max(b.num_rows for b in blocks) > 4  # blocks span several calls
+    for block in blocks:
+        assert {block.column(name).num_chunks for name in ("multi_modal_data", "multi_modal_inputs")} == {1}
+
+
 def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
     """The GPU path's code (float resize passes) run on the CPU: grids equal, pixels within two uint8 levels."""
     from ingest.pixels import ImagePixels

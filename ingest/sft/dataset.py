@@ -28,7 +28,7 @@ from ingest.pipeline import (
     read_units_into_pool,
 )
 from ingest.sources import _describe
-from ingest.vision import tensor_from_record
+from ingest.vision import contiguous, tensor_from_record
 
 MEDIA_TENSOR_COLUMNS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -112,7 +112,7 @@ def build_sft_dataset(
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat values, per-row lengths, per-row validity) of a list column (slices and nulls handled)."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    array = contiguous(column)
     valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     lengths = np.asarray(array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
     return array.flatten().to_numpy(zero_copy_only=False), lengths, valid

@@ -29,6 +29,7 @@ from ingest.vision import (
     IMAGE_STRUCT,
     PIXELS_STRUCT,
     TENSOR_STRUCT,
+    contiguous,
     decode_rgb,
     image_rows_array,
     pixel_rows_array,
@@ -173,7 +174,7 @@ class VisionStage:
             )
         video_records = [None if row is None else [tensor_record(v.cpu().numpy()) for v in row] for row in videos]
         data = pa.StructArray.from_arrays(
-            [table.column(MULTI_MODAL_DATA).combine_chunks(), pa.array(video_records, type=pa.list_(TENSOR_STRUCT))],
+            [contiguous(table.column(MULTI_MODAL_DATA)), pa.array(video_records, type=pa.list_(TENSOR_STRUCT))],
             fields=list(_DATA_TYPE),
         )
         table = table.set_column(table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, data)
