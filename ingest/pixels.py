@@ -122,9 +122,18 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
     n, channels, p, _ = patches.shape
     t = temporal_patch_size
     out = torch.empty((n, channels, t, p * p), dtype=torch.float32, device=patches.device)
-    out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
-    out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
-    out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
+    if out.device.type == "cpu":
+        # numpy's ufuncs on the tensor's memory: the same IEEE float32 ops, on one thread. torch's CPU kernels would
+        # fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a
+        # third more CPU for the collate on 2 cores); the memory stays torch's (numpy's would be huge-page advised).
+        values = out.numpy()
+        np.copyto(values, patches.numpy().reshape(n, channels, 1, p * p), casting="unsafe")
+        np.subtract(values, np.asarray(mean, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
+        np.divide(values, np.asarray(std, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
+    else:
+        out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
+        out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
+        out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
     return out.view(n, channels * t * p * p)
 
 
