@@ -65,8 +65,9 @@ class DataConfig:
 
     # --- pipeline keys ---
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
-    # the first unit in read order is cut to this many rows (0: not cut): a map task hands on its block when the whole
-    # unit is done, so the first batch then waits for a small unit, not a full one
+    # two units of this many rows are cut off the first unit in read order (0: not cut): a map task hands on its block
+    # when its whole unit is done, and Ray Data's iterator takes in the second block before it yields the first, so the
+    # first batch then waits for two small units, not for full ones
     read_first_unit_rows: int = 128
     tokenizer_pool_min_size: int = 1
     tokenizer_pool_max_size: int = 2

@@ -85,12 +85,16 @@ def plan_units(infos: Sequence[FileInfo], rows_per_task: int) -> list[ReadUnit]:
 
 
 def split_first_unit(units: list[ReadUnit], rows: int) -> list[ReadUnit]:
-    """Cut the first unit into ``rows`` rows and the rest (both read the same row groups, sliced)."""
-    if not units or rows <= 0 or units[0].num_rows <= rows:
+    """Cut ``rows`` rows off the first unit twice: two small units, then the rest (all read the same row groups,
+    sliced). Two, because Ray Data's iterator (``prefetch_batches`` >= 1) takes in the second block before it hands
+    on the first, so the first batch waits for both."""
+    if not units or rows <= 0:
         return units
-    first = units[0]
-    head = dataclasses.replace(first, slice_stop=first.slice_start + rows)
-    return [head, dataclasses.replace(first, slice_start=head.slice_stop), *units[1:]]
+    first, heads = units[0], []
+    while len(heads) < 2 and first.num_rows > rows:
+        heads.append(dataclasses.replace(first, slice_stop=first.slice_start + rows))
+        first = dataclasses.replace(first, slice_start=heads[-1].slice_stop)
+    return [*heads, first, *units[1:]]
 
 
 def shuffle_units(units: list[ReadUnit], seed: int, epoch: int = 0) -> list[ReadUnit]:

@@ -98,17 +98,18 @@ def test_units_split_a_big_row_group_exactly(tmp_path):
     ]
     assert [(f, r) for f, r, _ in rows] == [(0, r) for r in range(5000)] + [(1, r) for r in range(900)]
     assert all(r == i for _, r, i in rows)
-    # the first unit in read order is cut small (the first batch waits for it), the rest read exactly once
+    # two small units cut off the first in read order (the first batch waits for both), the rest read exactly once
     ramped = split_first_unit(units, 128)
-    assert [u.num_rows for u in ramped] == [128, 872] + [1000] * 4 + [900]
+    assert [u.num_rows for u in ramped] == [128, 128, 744] + [1000] * 4 + [900]
     rows = [
         t.column(ROW_COLUMN)[k].as_py()
-        for u in ramped[:2]
+        for u in ramped[:3]
         for t in [read_unit(u, infos[u.file_index].path, schema, {}, None)]
         for k in range(t.num_rows)
     ]
     assert rows == list(range(1000))
     assert split_first_unit(units, 0) == units and split_first_unit(units, 5000) == units
+    assert [u.num_rows for u in split_first_unit(units, 600)] == [600, 400] + [1000] * 4 + [900]
 
 
 def test_config_accepts_dict_dictconfig_and_verl_keys():
