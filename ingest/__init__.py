@@ -1,12 +1,26 @@
 """Ray Data ingestion for RL and SFT post-training: Parquet -> actor pools -> verl 0.5.0 rows."""
 
-from ingest.collate import VerlCollate
-from ingest.config import DataConfig
-from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
-from ingest.feed import iter_batch_refs
-from ingest.pipeline import build_dataset
-from ingest.sft.dataset import SFTCollate, build_sft_dataset
-from ingest.stream import PromptStream
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public names -> the module that defines them, imported on first use: an actor process unpickling its class (say
+# ``actors.vision.DecodeActor``) then imports only its stage's modules, not the whole package (jinja2, the SFT
+# renderers, the pipeline builder), which every actor of a run would otherwise pay for at start-up.
+_EXPORTS = {
+    "BadRowError": "ingest.errors",
+    "DataConfig": "ingest.config",
+    "IngestError": "ingest.errors",
+    "ModelLoadError": "ingest.errors",
+    "PromptStream": "ingest.stream",
+    "SFTCollate": "ingest.sft.dataset",
+    "SourceError": "ingest.errors",
+    "VerlCollate": "ingest.collate",
+    "build_dataset": "ingest.pipeline",
+    "build_sft_dataset": "ingest.sft.dataset",
+    "iter_batch_refs": "ingest.feed",
+}
 
 __all__ = [
     "BadRowError",
@@ -21,3 +35,24 @@ __all__ = [
     "build_sft_dataset",
     "iter_batch_refs",
 ]
+
+if TYPE_CHECKING:
+    from ingest.collate import VerlCollate
+    from ingest.config import DataConfig
+    from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
+    from ingest.feed import iter_batch_refs
+    from ingest.pipeline import build_dataset
+    from ingest.sft.dataset import SFTCollate, build_sft_dataset
+    from ingest.stream import PromptStream
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ingest' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -50,12 +50,19 @@ def run_ours(files: list[str], tokenizer: str, config: dict | None = None, proce
     return {"rows": rows, "seconds": seconds, "time_to_first_batch_s": first, "rows_per_s": rows / seconds}
 
 
-def _start_ray() -> dict:
+def _start_ray(preload_modules: tuple[str, ...] = ()) -> dict:
+    """Local Ray on every core; ``preload_modules``: every worker imports these when it starts (a raylet setting)."""
     import ray
 
     t = time.perf_counter()
+    system_config = {"preload_python_modules": list(preload_modules)} if preload_modules else None
     ray.init(
-        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING", log_to_driver=False
+        address="local",
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+        _system_config=system_config,
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
     init_s = time.perf_counter() - t
@@ -92,6 +99,38 @@ def _start_ray_data() -> float:
     return seconds
 
 
+# ``bench mm --warm-workers``: what the prestarted workers import, so only our actors' own set-up is on the clock
+WARM_WORKER_MODULES = ("ray.data", "torch")
+
+
+def _prestart_workers(count: int, keep_alive_s: int = 300) -> None:
+    """Have the raylet start ``count`` idle Python workers for this job (each imports ``WARM_WORKER_MODULES`` when
+    Ray was started with them), which the next actors take instead of starting processes. A diagnostic of how much
+    of a run is worker start-up, not a pipeline feature: Ray has no public API for it, this calls the raylet's
+    ``PrestartWorkers`` RPC (Ray 2.60), which starts at most one worker per CPU per call."""
+    import grpc
+    import ray
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        _get_authentication_metadata_tuple,
+    )
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    node = ray._private.worker.global_worker.node
+    with grpc.insecure_channel(f"{node.node_ip_address}:{node.node_manager_port}") as channel:
+        raylet = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        per_call = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        for start in range(0, count, per_call):
+            request = node_manager_pb2.PrestartWorkersRequest(
+                language=0,  # Python
+                job_id=bytes.fromhex(ray.get_runtime_context().get_job_id()),
+                keep_alive_duration_secs=keep_alive_s,
+                num_workers=min(per_call, count - start),
+            )
+            request.runtime_env_info.serialized_runtime_env = "{}"  # the job's (empty) runtime env: actors match it
+            raylet.PrestartWorkers(request, timeout=30, metadata=_get_authentication_metadata_tuple())
+            _settle()  # the next call's cap counts idle CPUs: let these workers finish their imports first
+
+
 def _settle(quiet_percent: float = 25.0, longest_s: float = 30.0) -> float:
     """Wait until the machine is quiet after ``ray.init`` (its node agents keep starting for seconds after it
     returns): a trainer's cluster has been up long before its first batch, so neither side's clock includes that."""
@@ -110,11 +149,21 @@ def _work_dir(work_dir: str | None) -> Path:
 
 
 def _compare(
-    files: list[str], model: str, config: dict, processor: str | None, work: Path, skip_verl: bool, pools: dict
+    files: list[str],
+    model: str,
+    config: dict,
+    processor: str | None,
+    work: Path,
+    skip_verl: bool,
+    pools: dict,
+    warm_workers: int = 0,
 ) -> dict:
-    """Ours (with ``pools``: our actor pool sizes), then verl 0.5.0, on the same files: rows/s of both, their ratio."""
+    """Ours (with ``pools``: our actor pool sizes), then verl 0.5.0, on the same files: rows/s of both, their ratio.
+    ``warm_workers``: that many prestarted workers wait for our actors (``_prestart_workers``)."""
     from ingest.oracle import run_verl
 
+    if warm_workers:
+        _prestart_workers(warm_workers)
     _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
     entry: dict = {"ours": run_ours(files, model, {**config, **pools}, processor=processor)}
     if not skip_verl:
@@ -127,8 +176,16 @@ def _compare(
     return entry
 
 
-def bench_mm(rows=(1000,), work_dir: str | None = None, skip_verl: bool = False, config: dict | None = None) -> dict:
-    """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on."""
+def bench_mm(
+    rows=(1000,),
+    work_dir: str | None = None,
+    skip_verl: bool = False,
+    config: dict | None = None,
+    warm_workers: bool = False,
+) -> dict:
+    """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on.
+    ``warm_workers``: our three actors start in prestarted workers that imported Ray Data and torch before the clock
+    (a diagnostic: how much of our time is process start-up)."""
     import ray
 
     from ingest.offline import build_offline_model_dir
@@ -136,13 +193,16 @@ def bench_mm(rows=(1000,), work_dir: str | None = None, skip_verl: bool = False,
 
     model = str(build_offline_model_dir())
     work = _work_dir(work_dir)
-    result = _start_ray()
+    result = _start_ray(WARM_WORKER_MODULES if warm_workers else ())
+    result["warm_workers"] = warm_workers
     mm_config = {**BENCH_CONFIG, "truncation": "left", **(config or {})}
     for n in rows:
         out = work / f"geo3k-{n}"
         files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
-        entry = {"rows": n, "images": images, **_compare(files, model, mm_config, model, work, skip_verl, MM_POOLS)}
+        warm = 3 if warm_workers else 0  # tokenize, decode and vision: one actor each (MM_POOLS)
+        compared = _compare(files, model, mm_config, model, work, skip_verl, MM_POOLS, warm)
+        entry = {"rows": n, "images": images, **compared}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()

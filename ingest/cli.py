@@ -123,7 +123,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
         return 0
     if args.kind == "mm":
-        result = bench_mm(rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl)
+        result = bench_mm(
+            rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl, warm_workers=args.warm_workers
+        )
     else:
         result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
     print(json.dumps(result, indent=2))
@@ -162,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument(
+        "--warm-workers",
+        action="store_true",
+        help="mm only, a diagnostic: our actors start in prestarted workers that imported Ray Data and torch",
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -19,6 +19,13 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 
+# Columns the tokenize stage adds for the decode and vision stages (defined here, not in the tokenize stage, so that
+# the decode and vision actors import neither the tokenizer's modules nor jinja2)
+MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage (null: the row has no images)
+IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed by the tokenize stage, checked by the vision stage
+VIDEO_PLANS_COLUMN = "_media_videos"  # VideoPlan records, for the decode stage (null: the row has no videos)
+VIDEO_GRIDS_COLUMN = "_media_video_grids"
+
 
 def image_processor_config(path: str | Path) -> dict:
     """The saved image processor config of a model directory (``preprocessor_config.json``, else the

@@ -151,6 +151,21 @@ def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model
         assert np.array_equal(np.concatenate([collated[0]["image_grid_thw"], collated[2]["image_grid_thw"]]), grids)
 
 
+def test_vision_stage_holds_torch_threads_to_the_actors_cpu_share(model_dir, monkeypatch):
+    """Ray gives a 0.5-CPU actor ``OMP_NUM_THREADS=1``; torch imported before that (a worker that preloads torch)
+    keeps a pool over every core unless the stage applies it."""
+    from ingest.stages.vision import VisionStage
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        VisionStage(model_dir, "cpu")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_files, model_dir):
     """Decode and vision take whole blocks, so each output block is one Arrow chunk per column: slicing it into
     trainer batches (or the next stage's batches) copies no pixels. With per-call batches smaller than a block, Ray

@@ -34,8 +34,12 @@ from ingest.rowformat import (
 )
 from ingest.video import VideoPlan, probe_video
 from ingest.vision import (
+    IMAGE_GRIDS_COLUMN,
     IMAGE_PAD,
+    MEDIA_BYTES_COLUMN,
+    VIDEO_GRIDS_COLUMN,
     VIDEO_PAD,
+    VIDEO_PLANS_COLUMN,
     VISION_START,
     VisionSpec,
     grid_tokens,
@@ -46,10 +50,6 @@ from ingest.vision import (
     video_grid,
 )
 
-MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage (null: the row has no images)
-IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed here, checked by the vision stage
-VIDEO_PLANS_COLUMN = "_media_videos"  # VideoPlan records, for the decode stage (null: the row has no videos)
-VIDEO_GRIDS_COLUMN = "_media_video_grids"
 VIDEO_PLAN_STRUCT = pa.struct(
     [
         ("is_file", pa.bool_()),

@@ -14,21 +14,21 @@ row by the grids, which must equal the ones the tokenize stage derived from head
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 
 from ingest.pixels import ImagePixels
-from ingest.stages.tokenize import (
-    IMAGE_GRIDS_COLUMN,
-    MEDIA_BYTES_COLUMN,
-    VIDEO_GRIDS_COLUMN,
-    VIDEO_PLANS_COLUMN,
-)
 from ingest.video import decode_video_frames, resize_frames
 from ingest.vision import (
+    IMAGE_GRIDS_COLUMN,
     IMAGE_STRUCT,
+    MEDIA_BYTES_COLUMN,
     PIXELS_STRUCT,
     TENSOR_STRUCT,
+    VIDEO_GRIDS_COLUMN,
+    VIDEO_PLANS_COLUMN,
     contiguous,
     decode_rgb,
     image_rows_array,
@@ -78,6 +78,19 @@ class DecodeStage:
         return table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
 
 
+def limit_torch_threads() -> None:
+    """Hold torch's CPU thread pool to the actor's CPU share. Ray sets ``OMP_NUM_THREADS`` per task and actor (1
+    for a fractional CPU) and torch follows it when first imported there; in a worker that imported torch earlier (a
+    cluster started with ``RAY_preload_python_modules`` naming torch) the pool spans every core, and its OpenMP
+    threads spin-wait on the cores the other stages' actors need (+2 s of CPU per 1,000 rows in ``bench mm``)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
+
+
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
@@ -90,6 +103,7 @@ class VisionStage:
     """``multi_modal_data`` pixels -> ``multi_modal_inputs`` (pixel_values, image_grid_thw) on ``device``."""
 
     def __init__(self, processor_path: str, device: str = "cpu", return_multi_modal_inputs: bool = True):
+        limit_torch_threads()
         self.device = resolve_device(device)
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
