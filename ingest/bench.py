@@ -99,8 +99,15 @@ def _start_ray_data() -> float:
     return seconds
 
 
-# ``bench mm --warm-workers``: what the prestarted workers import, so only our actors' own set-up is on the clock
-WARM_WORKER_MODULES = ("ray.data", "torch")
+# ``bench mm --warm-workers``: what the prestarted workers import, so only our actors' own set-up is on the clock (Ray
+# Data's actor wrapper and the issue-detector config its pickled context brings in, beyond ``import ray.data``)
+WARM_WORKER_MODULES = (
+    "ray.data",
+    "ray.data._internal.execution.operators.actor_pool_map_operator",
+    "ray.data._internal.issue_detection.issue_detector_configuration",
+    "torch",
+    "PIL.Image",
+)
 
 
 def _prestart_workers(count: int, keep_alive_s: int = 300) -> None:
