@@ -6,8 +6,9 @@ decode stage's modules only, not every other actor's (the tokenizer's jinja2, th
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ingest.lazy import lazy_exports
 
 _EXPORTS = {
     "DecodeActor": "actors.vision",
@@ -31,13 +32,4 @@ if TYPE_CHECKING:
     from actors.vision import DecodeActor, VisionActor
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'actors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

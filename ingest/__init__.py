@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ingest.lazy import lazy_exports
 
 # Public names -> the module that defines them, imported on first use: an actor process unpickling its class (say
 # ``actors.vision.DecodeActor``) then imports only its stage's modules, not the whole package (jinja2, the SFT
@@ -46,13 +47,4 @@ if TYPE_CHECKING:
     from ingest.stream import PromptStream
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ingest' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

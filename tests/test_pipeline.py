@@ -147,3 +147,29 @@ def test_collate_defaults_and_one_dimensional_arrays():
     assert list(verl_style["index"]) == [0, 0] and list(verl_style["tools_kwargs"]) == [{}, {}]
     assert verl_style["tools_kwargs"][0] is not verl_style["tools_kwargs"][1]
     assert isinstance(verl_style["data_source"], np.ndarray) and verl_style["data_source"].dtype == object
+
+
+_IMPORT_PROBE = """
+import sys
+import actors.vision
+heavy = [m for m in ("jinja2", "ingest.pipeline", "ingest.sft", "actors.sft", "actors.tokenize") if m in sys.modules]
+import actors, ingest
+assert ingest.build_dataset.__module__ == "ingest.pipeline"
+assert actors.TokenizeActor.__name__ == "TokenizeActor"
+try:
+    ingest.no_such_name
+    heavy.append("no AttributeError")
+except AttributeError:
+    pass
+print(heavy)
+"""
+
+
+def test_an_actor_module_imports_its_stage_only():
+    """Unpickling a decode / vision actor class imports ``actors.vision``: with the packages' lazy exports that pulls
+    in neither the tokenizer's Jinja nor the pipeline or SFT modules; the public names still resolve."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
