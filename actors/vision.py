@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 
 from ingest.offline import resolve_model_path
-from ingest.stages.vision import DecodeStage, VisionStage
+from ingest.stages.vision import DecodeStage, VisionStage, decode_block
 
 
 class DecodeActor:
-    def __init__(self):
-        self.stage = DecodeStage()
+    def __init__(self, config: dict, files: Sequence[str], ledger=None, keep_provenance: bool = False):
+        self.stage = DecodeStage.from_config(config, files, keep_provenance)
+        self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch)
+        return decode_block(self.stage, batch, self.ledger)
 
 
 class VisionActor:

@@ -119,8 +119,15 @@ def build_dataset(
     )
     if processor is None:
         return ds
+    decode_kwargs = {
+        "config": cfg.to_dict(),
+        "files": [_describe(p) for p in plan.files],
+        "ledger": ledger,
+        "keep_provenance": keep_provenance,
+    }
     ds = ds.map_batches(
         DecodeActor,
+        fn_constructor_kwargs=decode_kwargs,
         batch_size=None,  # one whole block per call: the output block stays one Arrow chunk (docs/design.md)
         batch_format="pyarrow",
         zero_copy_batch=True,

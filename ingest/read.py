@@ -23,6 +23,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from ingest.accounting import FILE_COLUMN, ROW_COLUMN, BatchCounts, report_counts
 from ingest.errors import SourceError, StoreError
 from ingest.sources import (
     FileInfo,
@@ -34,9 +35,6 @@ from ingest.sources import (
     store_failed,
 )
 
-FILE_COLUMN = "_ingest_file"
-ROW_COLUMN = "_ingest_row"
-PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
 MAX_SLICES_PER_ROW_GROUP = 16
 
 
@@ -212,8 +210,6 @@ class _UnitReader:
         except SourceError as err:
             if self.on_bad_row != "quarantine" or isinstance(err, StoreError):  # a store outage is not bad data
                 raise
-            from ingest.stages.tokenize import BatchCounts
-            from ingest.stats import report_counts
 
             unit = self.args[0]
             record = {"file": err.file, "row": err.row, "column": None, "reason": err.reason, "original": None}

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import ray
 
-from ingest.read import FILE_COLUMN, ROW_COLUMN
-from ingest.stages.tokenize import BatchCounts
+from ingest.accounting import BatchCounts, batch_key, report_counts
 
 # Prometheus names (Ray prefixes ``ray_``): one counter per summary count, tagged with the run id.
 METRIC_NAMES = {
@@ -60,19 +59,6 @@ class RunLedger:
 
     def quarantine(self) -> list[dict]:
         return list(self.records)
-
-
-def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None, key: tuple | None = None) -> None:
-    # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
-    if ledger is not None:
-        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or [], key))
-
-
-def batch_key(table: pa.Table) -> tuple | None:
-    """(file index, row) of a batch's first row: the same on every retry of the batch, unique within a run."""
-    if not table.num_rows or ROW_COLUMN not in table.column_names:
-        return None
-    return table.column(FILE_COLUMN)[0].as_py(), table.column(ROW_COLUMN)[0].as_py()
 
 
 def stage_unit(stage, unit: pa.Table, batch_size: int, ledger) -> Iterator[pa.Table]:

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ingest.accounting import FILE_COLUMN, ROW_COLUMN
 from ingest.collate import VerlCollate
 from ingest.config import DataConfig
 from ingest.pipeline import FilesArg, InputPlan, build_dataset, plan_input
-from ingest.read import FILE_COLUMN, ROW_COLUMN, ReadUnit
+from ingest.read import ReadUnit
 
 STATE_VERSION = 1
 

@@ -25,6 +25,8 @@ MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stag
 IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed by the tokenize stage, checked by the vision stage
 VIDEO_PLANS_COLUMN = "_media_videos"  # VideoPlan records, for the decode stage (null: the row has no videos)
 VIDEO_GRIDS_COLUMN = "_media_video_grids"
+# the row's prompt_tokens count (expanded, before truncation): taken back when the decode stage quarantines the row
+PROMPT_TOKENS_COLUMN = "_media_prompt_tokens"
 
 
 def image_processor_config(path: str | Path) -> dict:

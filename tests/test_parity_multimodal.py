@@ -284,3 +284,47 @@ def test_raw_bytes_column_decodes_like_pil(ray_session, model_dir, tmp_path):
     ours = batch["multi_modal_data"][0]["image"][0]
     expected = Image.open(io.BytesIO(data)).convert("RGB")
     assert ours == expected and np.array_equal(np.asarray(ours), np.asarray(expected))
+
+
+def _truncated_media_file(path):
+    """Media whose headers read (so the tokenize stage plans them) but whose data do not decode."""
+    png = _png()
+    rows = [
+        ("<image>fine", [{"bytes": png, "path": None}]),
+        ("<image>truncated", [{"bytes": png[: len(png) // 2], "path": None}]),
+        ("<image><image>second one truncated", [{"bytes": png, "path": None}, {"bytes": png[:200], "path": None}]),
+        ("<image>fine again", [{"bytes": png, "path": None}]),
+    ]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
+            for i, (text, images) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
+    path = _truncated_media_file(tmp_path / "truncated.parquet")
+    ledger = RunLedger.remote()
+    ds = build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger)
+    batches = collect(ds)
+    assert [int(i) for b in batches for i in b["index"]] == [0, 3]
+    assert not any(name.startswith("_") for name in batches[0])  # provenance and token counts do not leak
+    counts = ray.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (4, 2, 2)
+    tokens = sum(int(m.sum()) for b in batches for m in b["attention_mask"])  # max_prompt_length: none truncated
+    assert counts["prompt_tokens"] == tokens
+    records = ray.get(ledger.quarantine.remote())
+    assert [(r["file"], r["row"], r["column"]) for r in records] == [(path, 1, "images"), (path, 2, "images")]
+    assert all(r["reason"].startswith("bad image: ") for r in records)
+    assert '"index": 2' in records[1]["original"]
+
+
+def test_media_that_fails_to_decode_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path):
+    path = _truncated_media_file(tmp_path / "truncated.parquet")
+    with pytest.raises(BadRowError) as info:
+        collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")

@@ -116,3 +116,37 @@ def test_bad_videos_are_quarantined_and_counted(ray_session, model_dir, tmp_path
     video = batches[0]["multi_modal_data"][0]["video"][0]
     assert video.dtype == np.float32 and video.shape == (4, 3, 336, 336)
     assert isinstance(batches[0]["multi_modal_inputs"][0]["pixel_values_videos"], torch.Tensor)
+
+
+def test_video_frame_that_fails_to_decode_is_quarantined(ray_session, model_dir, tmp_path):
+    """A frame whose header reads (the tokenize stage plans the video) but whose data do not decode: the decode
+    stage quarantines the row, and the counts still add up."""
+    import io
+
+    from PIL import Image
+
+    frames = []
+    for k in range(4):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((56, 56, 3), 40 * k, dtype=np.uint8)).save(buffer, format="PNG")
+        data = buffer.getvalue()
+        frames.append(tmp_path / f"frame-{k}.png")
+        frames[-1].write_bytes(data[: len(data) // 2] if k == 2 else data)
+    good = [str(f) for i, f in enumerate(frames) if i != 2] + [str(frames[0])]
+    rows = [("<video>fine", good), ("<video>third frame truncated", [str(f) for f in frames])]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "videos": [{"video": video}], "extra_info": {"index": i}}
+            for i, (text, video) in enumerate(rows)
+        ]
+    )
+    path = str(tmp_path / "frames.parquet")
+    pq.write_table(table, path)
+    ledger = RunLedger.remote()
+    batches = collect(build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger))
+    assert [int(i) for b in batches for i in b["index"]] == [0]
+    counts = ray.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (2, 1, 1)
+    [record] = ray.get(ledger.quarantine.remote())
+    assert (record["file"], record["row"], record["column"]) == (path, 1, "videos")
+    assert record["reason"].startswith("bad video: ")

@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from ingest import DataConfig, VerlCollate, build_dataset
-from ingest.read import FILE_COLUMN, ROW_COLUMN, plan_units, read_unit, split_first_unit
+from ingest.accounting import FILE_COLUMN, ROW_COLUMN
+from ingest.read import plan_units, read_unit, split_first_unit
 from ingest.sources import inspect_files
 from ingest.stats import RunLedger
 from tests.conftest import collect

@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ingest.accounting import FILE_COLUMN, ROW_COLUMN, BatchCounts, StageResult, quarantine_record
 from ingest.config import DataConfig
 from ingest.errors import BadRowError
 from ingest.messages import split_media_placeholders
-from ingest.read import FILE_COLUMN, ROW_COLUMN
 from ingest.sft.data import RenderedConversation, SFTRenderError, TrainingSequence
 from ingest.sft.sample import build_training_sample, conversation_problem
 from ingest.sft.sequence import pack, shift_and_truncate
-from ingest.stages.tokenize import BatchCounts, StageResult, _row_dict, quarantine_record
+from ingest.stages.tokenize import _row_dict
 from ingest.vision import TENSOR_STRUCT, decode_rgb, read_image_bytes, tensor_record
 
 TOOLS_COLUMN = "tools"

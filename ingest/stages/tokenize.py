@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
+from ingest.accounting import (
+    FILE_COLUMN,
+    PROVENANCE_COLUMNS,
+    ROW_COLUMN,
+    BatchCounts,
+    StageResult,
+    quarantine_record,
+)
 from ingest.config import DataConfig
 from ingest.errors import BadRowError, redact, secret_values
 from ingest.messages import build_messages, validate_messages
 from ingest.models import ChatTokenizer
-from ingest.read import FILE_COLUMN, PROVENANCE_COLUMNS, ROW_COLUMN
 from ingest.rowformat import (
     MAX_LENGTH_COLUMN,
     PAD_ID_COLUMN,
@@ -37,6 +43,7 @@ from ingest.vision import (
     IMAGE_GRIDS_COLUMN,
     IMAGE_PAD,
     MEDIA_BYTES_COLUMN,
+    PROMPT_TOKENS_COLUMN,
     VIDEO_GRIDS_COLUMN,
     VIDEO_PAD,
     VIDEO_PLANS_COLUMN,
@@ -62,35 +69,6 @@ VIDEO_PLAN_STRUCT = pa.struct(
     ]
 )
 GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
-
-
-@dataclass
-class BatchCounts:
-    rows_in: int = 0
-    rows_out: int = 0
-    filtered_overlong: int = 0
-    quarantined: int = 0
-    prompt_tokens: int = 0  # tokens of the kept prompts (expanded), before truncation
-
-    def add(self, other: BatchCounts) -> None:
-        for key, value in vars(other).items():
-            setattr(self, key, getattr(self, key) + value)
-
-
-@dataclass
-class StageResult:
-    table: pa.Table
-    counts: BatchCounts
-    quarantine: list[dict] = field(default_factory=list)
-
-
-def quarantine_record(error: BadRowError, row: dict | None) -> dict:
-    """A quarantine record: where, why, and the original row as JSON where it can be serialised."""
-    try:
-        original = json.dumps(row, ensure_ascii=False, default=lambda v: f"<{type(v).__name__}>")[:65536]
-    except Exception:
-        original = None
-    return {"file": error.file, "row": error.row, "column": error.column, "reason": error.reason, "original": original}
 
 
 class PromptTokenizeStage:
@@ -266,8 +244,9 @@ class PromptTokenizeStage:
         )
         quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
         kept = np.flatnonzero(keep)
-        counts.rows_out = len(kept)
-        counts.prompt_tokens = int(expanded_lengths[kept].sum())
+        if self.vision is None:  # on the processor path the decode stage counts them (it may still drop a row)
+            counts.rows_out = len(kept)
+            counts.prompt_tokens = int(expanded_lengths[kept].sum())
         if len(kept) != n:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
@@ -284,6 +263,7 @@ class PromptTokenizeStage:
             [video_plans[i] for i in kept],
             [video_grids[i] for i in kept],
             has_media,
+            expanded_lengths[kept],
         )
         return StageResult(rows, counts, quarantine)
 
@@ -304,7 +284,9 @@ class PromptTokenizeStage:
                 out.extend([token] * grid_tokens(next(grids), self.vision))
         return out
 
-    def _rows(self, table, ids, texts, messages, media_bytes, grids, video_plans, video_grids, has_media) -> pa.Table:
+    def _rows(
+        self, table, ids, texts, messages, media_bytes, grids, video_plans, video_grids, has_media, prompt_tokens
+    ) -> pa.Table:
         cfg = self.config
         raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
         tensors: dict[str, pa.Array] = {}
@@ -327,7 +309,9 @@ class PromptTokenizeStage:
             tensors["attention_mask"] = tensor_column(attention_mask)
             tensors["position_ids"] = tensor_column(position_ids)
 
-        drop = {cfg.prompt_key} | (set() if self.keep_provenance else set(PROVENANCE_COLUMNS))
+        # on the processor path the decode stage still needs the provenance (it names the file and row of bad media)
+        keep_provenance = self.keep_provenance or self.vision is not None
+        drop = {cfg.prompt_key} | (set() if keep_provenance else set(PROVENANCE_COLUMNS))
         if self.vision is not None:
             drop |= {cfg.image_key, cfg.video_key}
         columns = {name: table.column(name) for name in table.column_names if name not in drop}
@@ -337,6 +321,7 @@ class PromptTokenizeStage:
             plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
             columns[VIDEO_PLANS_COLUMN] = pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))
             columns[VIDEO_GRIDS_COLUMN] = pa.array(video_grids, type=GRIDS_TYPE)
+            columns[PROMPT_TOKENS_COLUMN] = pa.array(np.asarray(prompt_tokens, dtype=np.int64))
         columns.update(tensors)
         columns["raw_prompt_ids"] = list_column(raw_prompt_ids)
         if cfg.return_raw_chat:

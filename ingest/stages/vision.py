@@ -15,10 +15,22 @@ row by the grids, which must equal the ones the tokenize stage derived from head
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from ingest.accounting import (
+    FILE_COLUMN,
+    PROVENANCE_COLUMNS,
+    ROW_COLUMN,
+    BatchCounts,
+    StageResult,
+    batch_key,
+    quarantine_record,
+    report_counts,
+)
+from ingest.errors import BadRowError
 from ingest.pixels import ImagePixels
 from ingest.video import decode_video_frames, resize_frames
 from ingest.vision import (
@@ -26,6 +38,7 @@ from ingest.vision import (
     IMAGE_STRUCT,
     MEDIA_BYTES_COLUMN,
     PIXELS_STRUCT,
+    PROMPT_TOKENS_COLUMN,
     TENSOR_STRUCT,
     VIDEO_GRIDS_COLUMN,
     VIDEO_PLANS_COLUMN,
@@ -41,6 +54,7 @@ from ingest.vision import (
 
 MULTI_MODAL_DATA = "multi_modal_data"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
+_TENSOR_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
 VIDEO_FRAMES_COLUMN = "_media_video_frames"  # decoded, sampled frames before the final resize
 _FRAMES_STRUCT = pa.struct([("frames", TENSOR_STRUCT), ("height", pa.int64()), ("width", pa.int64())])
 _DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT)), ("video", pa.list_(TENSOR_STRUCT))])
@@ -55,27 +69,99 @@ _INPUTS_TYPE = pa.struct(
 
 
 class DecodeStage:
-    """Encoded images -> RGB pixels (``_media_image_bytes`` -> ``multi_modal_data``); video plans -> sampled frames."""
+    """Encoded images -> RGB pixels (``_media_image_bytes`` -> ``multi_modal_data``); video plans -> sampled frames.
 
-    def __call__(self, table: pa.Table) -> pa.Table:
-        if MEDIA_BYTES_COLUMN not in table.column_names:
-            return table
+    Media whose header read fine but whose data do not decode (a truncated or corrupt file) make a bad row here:
+    quarantined (the row leaves the block) or, with ``on_bad_row="raise"``, one ``BadRowError`` naming file, row and
+    column. The provenance columns locate the row; they are dropped here unless ``keep_provenance``. On the processor
+    path this is the last stage that drops rows, so it counts ``rows_out`` and their ``prompt_tokens`` (the tokenize
+    stage counts rows in, filtered and quarantined): every count only grows, as Prometheus counters must.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str] = (),
+        on_bad_row: str = "raise",
+        image_key: str = "images",
+        video_key: str = "videos",
+        keep_provenance: bool = False,
+    ):
+        self.files = list(files)
+        self.on_bad_row = on_bad_row
+        self.image_key, self.video_key = image_key, video_key
+        self.keep_provenance = keep_provenance
+
+    @classmethod
+    def from_config(cls, config: dict, files: Sequence[str], keep_provenance: bool = False) -> DecodeStage:
+        keys = ("on_bad_row", "image_key", "video_key")
+        return cls(files, keep_provenance=keep_provenance, **{k: config[k] for k in keys if k in config})
+
+    def __call__(self, table: pa.Table) -> StageResult:
+        if MEDIA_BYTES_COLUMN not in table.column_names:  # not a block of the tokenize stage's processor path
+            return StageResult(self._drop_internal(table), BatchCounts())
         encoded = table.column(MEDIA_BYTES_COLUMN).to_pylist()
-        images = image_rows_array([None if row is None else [decode_rgb(b) for b in row] for row in encoded])
         plans = table.column(VIDEO_PLANS_COLUMN).to_pylist()
-        frames = [
-            None
-            if row is None
-            else [
-                {"frames": tensor_record(decode_video_frames(p)), "height": p["height"], "width": p["width"]}
-                for p in row
-            ]
-            for row in plans
-        ]
+        images: list = [None] * table.num_rows
+        frames: list = [None] * table.num_rows
+        bad: dict[int, BadRowError] = {}
+        for i in range(table.num_rows):
+            try:
+                images[i] = None if encoded[i] is None else [decode_rgb(data) for data in encoded[i]]
+            except Exception as exc:
+                bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
+                continue
+            try:
+                frames[i] = None if plans[i] is None else [_sampled_frames(plan) for plan in plans[i]]
+            except Exception as exc:
+                bad[i] = self._error(table, i, f"bad video: {type(exc).__name__}: {exc}", self.video_key)
+        if bad and self.on_bad_row == "raise":
+            raise bad[min(bad)]
+        kept = [i for i in range(table.num_rows) if i not in bad]
+        tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
+        counts = BatchCounts(rows_out=len(kept), quarantined=len(bad), prompt_tokens=int(tokens[kept].sum()))
+        quarantine = [quarantine_record(err, self._row_dict(table, i)) for i, err in sorted(bad.items())]
+        if bad:
+            for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN):  # consumed: not worth copying in the take
+                table = table.set_column(table.column_names.index(name), name, pa.nulls(table.num_rows))
+            table = table.take(kept)
+            images, frames = [images[i] for i in kept], [frames[i] for i in kept]
         index = table.column_names.index(MEDIA_BYTES_COLUMN)
-        table = table.set_column(index, MULTI_MODAL_DATA, images)
+        table = table.set_column(index, MULTI_MODAL_DATA, image_rows_array(images))
         index = table.column_names.index(VIDEO_PLANS_COLUMN)
-        return table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
+        table = table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
+        return StageResult(self._drop_internal(table), counts, quarantine)
+
+    def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
+        file = table.column(FILE_COLUMN)[i].as_py() if FILE_COLUMN in table.column_names else None
+        row = table.column(ROW_COLUMN)[i].as_py() if ROW_COLUMN in table.column_names else None
+        name = self.files[file] if file is not None and file < len(self.files) else None
+        return BadRowError(reason, file=name, row=row, column=column)
+
+    @staticmethod
+    def _row_dict(table: pa.Table, i: int) -> dict | None:
+        """What the record can show of the row here: its plain columns (the prompt and media were consumed)."""
+        names = [n for n in table.column_names if not n.startswith("_") and n not in _TENSOR_COLUMNS]
+        try:
+            return table.select(names).slice(i, 1).to_pylist()[0]
+        except Exception:
+            return None
+
+    def _drop_internal(self, table: pa.Table) -> pa.Table:
+        drop = [PROMPT_TOKENS_COLUMN] + ([] if self.keep_provenance else list(PROVENANCE_COLUMNS))
+        return table.drop_columns([name for name in drop if name in table.column_names])
+
+
+def _sampled_frames(plan: dict) -> dict:
+    return {"frames": tensor_record(decode_video_frames(plan)), "height": plan["height"], "width": plan["width"]}
+
+
+def decode_block(stage: DecodeStage, table: pa.Table, ledger=None) -> pa.Table:
+    """``stage`` over one block, its counts reported to ``ledger`` once per block (keyed by the block's first row)."""
+    result = stage(table)
+    if table.num_rows:
+        key = batch_key(table)
+        report_counts(ledger, result.counts, result.quarantine, None if key is None else ("decode", *key))
+    return result.table
 
 
 def limit_torch_threads() -> None:

@@ -1,0 +1,61 @@
+"""What stages report about rows: per-batch counts, quarantine records, and the provenance columns that locate a row.
+
+Light on imports (pyarrow and Ray only): the decode actor reports bad media through it without importing the
+tokenizer's modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+FILE_COLUMN = "_ingest_file"  # index into the run's file list
+ROW_COLUMN = "_ingest_row"  # 0-based row in that file
+PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
+
+
+@dataclass
+class BatchCounts:
+    rows_in: int = 0
+    rows_out: int = 0
+    filtered_overlong: int = 0
+    quarantined: int = 0
+    prompt_tokens: int = 0  # tokens of the kept prompts (expanded), before truncation
+
+    def add(self, other: BatchCounts) -> None:
+        for key, value in vars(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+
+@dataclass
+class StageResult:
+    table: pa.Table
+    counts: BatchCounts
+    quarantine: list[dict] = field(default_factory=list)
+
+
+def quarantine_record(error, row: dict | None) -> dict:
+    """A quarantine record of a ``BadRowError``: where, why, and the original row as JSON where it serialises."""
+    try:
+        original = json.dumps(row, ensure_ascii=False, default=lambda v: f"<{type(v).__name__}>")[:65536]
+    except Exception:
+        original = None
+    return {"file": error.file, "row": error.row, "column": error.column, "reason": error.reason, "original": original}
+
+
+def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None, key: tuple | None = None) -> None:
+    # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
+    if ledger is not None:
+        import ray
+
+        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or [], key))
+
+
+def batch_key(table: pa.Table) -> tuple | None:
+    """(file index, row) of a batch's first row: the same on every retry of the batch, unique within a run."""
+    if not table.num_rows or ROW_COLUMN not in table.column_names:
+        return None
+    return table.column(FILE_COLUMN)[0].as_py(), table.column(ROW_COLUMN)[0].as_py()
