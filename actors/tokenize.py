@@ -23,6 +23,7 @@ class TokenizeActor:
         processor: str | None = None,
         ledger=None,
         keep_provenance: bool = False,
+        decode: bool = False,
     ):
         cfg = DataConfig(**config)
         vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
@@ -30,6 +31,16 @@ class TokenizeActor:
         self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)
         self.ledger = ledger
         self.batch_size = cfg.tokenizer_batch_size
+        self.decode = None
+        if decode:  # the decode stage in this actor (no decode pool): one process and one pixel copy fewer
+            from ingest.stages.vision import DecodeStage
+
+            self.decode = DecodeStage.from_config(config, files, keep_provenance)
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
-        return stage_unit(self.stage, unit, self.batch_size, self.ledger)
+        tables = stage_unit(self.stage, unit, self.batch_size, self.ledger)
+        if self.decode is None:
+            return tables
+        from ingest.stages.vision import decode_block
+
+        return (decode_block(self.decode, table, self.ledger) for table in tables)

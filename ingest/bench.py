@@ -19,9 +19,14 @@ import pyarrow.parquet as pq
 
 BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
 BATCH_SIZE = 64
-# Image prompts on 2 cores: one actor per pool (tokenize, decode, vision). The default 1..2 per pool lets Ray Data
-# start up to four actors there, and the late ones spend seconds importing torch while the machine is saturated.
-MM_POOLS = {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 1, "vision_pool_max_size": 1}
+# Image prompts on 2 cores: one actor per pool. The default 1..2 per pool lets Ray Data start up to four actors there,
+# and the late ones spend seconds importing torch while the machine is saturated. Two layouts, both measured in one
+# run against one verl run: the decode pool (tokenize, decode and vision actors; the default layout) and
+# ``decode_pool_max_size: 0`` (the tokenizer actors decode: one process and one copy of the pixels fewer).
+MM_LAYOUTS = {
+    "decode_pool": {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 1, "vision_pool_max_size": 1},
+    "decode_in_tokenizer": {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 0, "vision_pool_max_size": 1},
+}
 
 
 def _data(work_dir: Path, rows: int) -> list[str]:
@@ -162,24 +167,32 @@ def _compare(
     processor: str | None,
     work: Path,
     skip_verl: bool,
-    pools: dict,
-    warm_workers: int = 0,
+    layouts: dict[str, dict] | None = None,
+    warm_workers: bool = False,
 ) -> dict:
-    """Ours (with ``pools``: our actor pool sizes), then verl 0.5.0, on the same files: rows/s of both, their ratio.
-    ``warm_workers``: that many prestarted workers wait for our actors (``_prestart_workers``)."""
+    """Ours, then verl 0.5.0, on the same files: rows/s of both, their ratio. ``layouts``: name -> our pool settings,
+    each run in turn (the first: ``ours`` / ``ratio_rows_per_s``; the others: ``ours_<name>`` / ``ratio_<name>``).
+    ``warm_workers``: one prestarted worker per actor of the layout waits for it (``_prestart_workers``)."""
     from ingest.oracle import run_verl
 
-    if warm_workers:
-        _prestart_workers(warm_workers)
-    _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
-    entry: dict = {"ours": run_ours(files, model, {**config, **pools}, processor=processor)}
+    layouts = layouts or {"default": {}}
+    keys = [(f"ours_{name}", f"ratio_{name}") for name in layouts]
+    keys[0] = ("ours", "ratio_rows_per_s")
+    entry: dict = {}
+    for (ours_key, _), pools in zip(keys, layouts.values(), strict=True):
+        if warm_workers:
+            _prestart_workers(2 if pools.get("decode_pool_max_size") == 0 else 3)
+        _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
+        entry[ours_key] = run_ours(files, model, {**config, **pools}, processor=processor)
     if not skip_verl:
         _settle()
         cfg = {**config, "cache_dir": str(work / "verl-cache")}
         verl = run_verl("bench", files, model, cfg, batch_size=BATCH_SIZE, num_workers=2, processor=processor)
         entry["verl"] = verl
-        entry["ratio_rows_per_s"] = round(entry["ours"]["rows_per_s"] / verl["rows_per_s"], 2)
-        assert verl["rows"] == entry["ours"]["rows"], f"row counts differ: verl {verl['rows']}, ours {entry['ours']}"
+        for ours_key, ratio_key in keys:
+            ours = entry[ours_key]
+            assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {ours_key} {ours['rows']}"
+            entry[ratio_key] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
     return entry
 
 
@@ -191,7 +204,8 @@ def bench_mm(
     warm_workers: bool = False,
 ) -> dict:
     """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on.
-    ``warm_workers``: our three actors start in prestarted workers that imported Ray Data and torch before the clock
+    Both ``MM_LAYOUTS`` (``ours``: the decode pool; ``ours_decode_in_tokenizer``), then verl, in one run.
+    ``warm_workers``: our actors start in prestarted workers that imported Ray Data and torch before the clock
     (a diagnostic: how much of our time is process start-up)."""
     import ray
 
@@ -207,8 +221,7 @@ def bench_mm(
         out = work / f"geo3k-{n}"
         files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
-        warm = 3 if warm_workers else 0  # tokenize, decode and vision: one actor each (MM_POOLS)
-        compared = _compare(files, model, mm_config, model, work, skip_verl, MM_POOLS, warm)
+        compared = _compare(files, model, mm_config, model, work, skip_verl, MM_LAYOUTS, warm_workers)
         entry = {"rows": n, "images": images, **compared}
         result["sizes"].append(entry)
         print(entry, flush=True)
@@ -225,7 +238,7 @@ def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: b
     work = _work_dir(work_dir)
     result = _start_ray()
     for n in rows:
-        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl, {})}
+        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl)}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()

@@ -74,7 +74,7 @@ class DataConfig:
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
     tokenizer_num_cpus: float = 0.5  # per actor; reads run inside these actors (Ray Data fuses them)
     decode_pool_min_size: int = 1
-    decode_pool_max_size: int = 2
+    decode_pool_max_size: int = 2  # 0: no decode pool, the tokenizer actors decode (fewer processes, small machines)
     decode_num_cpus: float = 0.5
     vision_pool_min_size: int = 1
     vision_pool_max_size: int = 2
@@ -99,6 +99,8 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         for pool in ("tokenizer", "decode", "vision"):
             low, high = getattr(self, f"{pool}_pool_min_size"), getattr(self, f"{pool}_pool_max_size")
+            if pool == "decode" and high == 0:  # decode in the tokenizer actors
+                continue
             if not 1 <= low <= high:
                 raise ValueError(f"need 1 <= {pool}_pool_min_size <= {pool}_pool_max_size, got {low}..{high}")
         if self.vision_device not in ("auto", "cpu", "cuda") and not self.vision_device.startswith("cuda:"):

@@ -114,11 +114,22 @@ def build_dataset(
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
+    decode_in_tokenizer = processor is not None and cfg.decode_pool_max_size == 0
     ds = read_units_into_pool(
-        plan, cfg, TokenizeActor, tokenizer, processor, epoch=epoch, ledger=ledger, keep_provenance=keep_provenance
+        plan,
+        cfg,
+        TokenizeActor,
+        tokenizer,
+        processor,
+        epoch=epoch,
+        ledger=ledger,
+        keep_provenance=keep_provenance,
+        decode=decode_in_tokenizer,
     )
     if processor is None:
         return ds
+    if decode_in_tokenizer:  # no decode pool: the tokenizer actors decode (DataConfig.decode_pool_max_size)
+        return map_on_vision_pool(ds, cfg, VisionActor, _vision_kwargs(processor, cfg))
     decode_kwargs = {
         "config": cfg.to_dict(),
         "files": [_describe(p) for p in plan.files],
@@ -134,12 +145,15 @@ def build_dataset(
         compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
         num_cpus=cfg.decode_num_cpus,
     )
-    vision_kwargs = {
+    return map_on_vision_pool(ds, cfg, VisionActor, _vision_kwargs(processor, cfg))
+
+
+def _vision_kwargs(processor: str | os.PathLike, cfg: DataConfig) -> dict:
+    return {
         "processor": os.fspath(processor),
         "device": cfg.vision_device,  # "auto": cuda when Ray gave this actor a GPU, else cpu
         "return_multi_modal_inputs": cfg.return_multi_modal_inputs,
     }
-    return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
 
 
 def read_units_into_pool(

@@ -58,6 +58,14 @@ def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_
     assert_same_batches(_ours(geo3k_files, model_dir, CONFIGS[index]), expected["batches"])
 
 
+def test_decode_in_the_tokenizer_actors_equals_verl(ray_session, geo3k_files, model_dir, oracle_mm):
+    """``decode_pool_max_size: 0``: no decode pool, the tokenizer actors decode; the rows are verl's all the same."""
+    expected = oracle_mm[0]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours(geo3k_files, model_dir, CONFIGS[0], decode_pool_max_size=0)
+    assert_same_batches(ours, expected["batches"])
+
+
 def test_parity_data_covers_the_image_kinds(oracle_mm):
     rows = oracle_mm[2]["rows"]
     assert len(rows) > len(oracle_mm[0]["rows"]), "the 640-token filter should drop rows with big images"
@@ -305,10 +313,12 @@ def _truncated_media_file(path):
     return str(path)
 
 
-def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
+@pytest.mark.parametrize("decode_pool_max_size", [1, 0], ids=["decode pool", "decode in tokenizer actors"])
+def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, decode_pool_max_size):
     path = _truncated_media_file(tmp_path / "truncated.parquet")
     ledger = RunLedger.remote()
-    ds = build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger)
+    config = {"shuffle": False, "decode_pool_max_size": decode_pool_max_size}
+    ds = build_dataset(path, model_dir, config, processor=model_dir, ledger=ledger)
     batches = collect(ds)
     assert [int(i) for b in batches for i in b["index"]] == [0, 3]
     assert not any(name.startswith("_") for name in batches[0])  # provenance and token counts do not leak

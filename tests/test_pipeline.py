@@ -137,6 +137,12 @@ def test_config_accepts_dict_dictconfig_and_verl_keys():
     assert (defaults.image_key, defaults.video_key, defaults.return_multi_modal_inputs) == ("images", "videos", True)
     with pytest.raises(ValueError, match="truncation"):
         DataConfig.from_any({"truncation": "sideways"})
+    assert DataConfig(decode_pool_max_size=0).decode_pool_max_size == 0  # no decode pool: tokenizer actors decode
+    for pool in ("tokenizer", "vision"):
+        with pytest.raises(ValueError, match=f"{pool}_pool_min_size"):
+            DataConfig(**{f"{pool}_pool_max_size": 0})
+    with pytest.raises(ValueError, match="decode_pool_min_size"):
+        DataConfig(decode_pool_max_size=-1)
 
 
 def test_collate_defaults_and_one_dimensional_arrays():
