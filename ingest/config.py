@@ -82,6 +82,9 @@ class DataConfig:
     vision_num_gpus: float = 0.0  # > 0 puts the vision pool on GPU actors (fractional allowed)
     vision_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when the actor sees a GPU)
     vision_batch_size: int = 32
+    # baseline JPEGs decode in the vision actors on their device (nvJPEG through torchvision on cuda), not in the
+    # decode stage; off by default: nvJPEG's pixels are within a few levels of PIL's, not equal (docs/design.md)
+    vision_decode_jpeg_on_device: bool = False
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # filesystem kwargs (S3 endpoint, keys, ...); repr=False keeps secrets out of a logged config
     storage_options: dict = dataclasses.field(default_factory=dict, repr=False)

@@ -86,21 +86,26 @@ class ImagePixels:
         return values.cpu().numpy(), grids
 
     def patches(self, images: list[np.ndarray], device: str = "cpu", native_uint8: bool | None = None):
-        """(H, W, 3) uint8 RGB arrays -> (uint8 patches (patches, C, P, P) on ``device`` in the processor's patch
-        order, ``image_grid_thw`` int64). ``normalize_patches`` turns them into ``pixel_values``: blocks carry these,
-        an eighth of the float32 bytes (one frame instead of ``temporal_patch_size``, one byte per value)."""
+        """(H, W, 3) uint8 RGB arrays (or (3, H, W) uint8 tensors) -> (uint8 patches (patches, C, P, P) on ``device``
+        in the processor's patch order, ``image_grid_thw`` int64). ``normalize_patches`` turns them into
+        ``pixel_values``: blocks carry these, an eighth of the float32 bytes (one frame instead of
+        ``temporal_patch_size``, one byte per value)."""
         import torch
 
         spec = self.spec
         p, m = spec.patch_size, spec.merge_size
-        grids = np.array([image_grid(im.shape[1], im.shape[0], spec) for im in images], dtype=np.int64).reshape(-1, 3)
+        shapes = [im.shape[:2] if isinstance(im, np.ndarray) else im.shape[1:] for im in images]  # (H, W)
+        grids = np.array([image_grid(w, h, spec) for h, w in shapes], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
         out = torch.empty((int(counts.sum()), 3, p, p), dtype=torch.uint8, device=device)
         start = 0
         for image, (_, gh, gw), count in zip(images, grids.tolist(), counts.tolist(), strict=True):
-            with warnings.catch_warnings():  # a read-only view of the block: only read (resize makes a new tensor)
-                warnings.simplefilter("ignore", UserWarning)
-                pixels = torch.from_numpy(np.ascontiguousarray(image)).to(device).permute(2, 0, 1)
+            if isinstance(image, np.ndarray):
+                with warnings.catch_warnings():  # a read-only view of the block: only read (resize makes a new one)
+                    warnings.simplefilter("ignore", UserWarning)
+                    pixels = torch.from_numpy(np.ascontiguousarray(image)).to(device).permute(2, 0, 1)
+            else:  # (3, H, W) uint8, decoded on the device already
+                pixels = image.to(device)
             resized = resize_bicubic(pixels[None], gh * p, gw * p, native_uint8)
             # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P), the processor's patch order
             source = resized.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)

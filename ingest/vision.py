@@ -25,8 +25,11 @@ MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stag
 IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed by the tokenize stage, checked by the vision stage
 VIDEO_PLANS_COLUMN = "_media_videos"  # VideoPlan records, for the decode stage (null: the row has no videos)
 VIDEO_GRIDS_COLUMN = "_media_video_grids"
-# the row's prompt_tokens count (expanded, before truncation): taken back when the decode stage quarantines the row
+# the row's prompt_tokens count (expanded, before truncation): counted by the decode stage (it may still drop the row)
 PROMPT_TOKENS_COLUMN = "_media_prompt_tokens"
+# JPEGs the decode stage left encoded for the vision stage to decode on its device (vision_decode_jpeg_on_device):
+# per row, one entry per image (null: decoded already); their multi_modal_data records have size and info, no pixels
+DEFERRED_JPEG_COLUMN = "_media_deferred_jpeg"
 
 
 def image_processor_config(path: str | Path) -> dict:
@@ -167,6 +170,21 @@ def decode_rgb(data: bytes) -> tuple[np.ndarray, dict]:
         # for an RGB image convert("RGB") is a copy (same pixels, same info): skip it (a fifth of decode's CPU here)
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         return np.asarray(rgb), dict(rgb.info)  # asarray loads the pixels first, as convert does
+
+
+def deferrable_jpeg(data: bytes) -> tuple[np.ndarray, dict] | None:
+    """For a JPEG a device decoder can take (baseline, YCbCr or grayscale, complete): an empty (H, W, 0) array (the
+    size) and the PIL ``info`` that ``decode_rgb`` would give, from the header alone; None for anything else (PNG,
+    progressive or CMYK JPEG, a file without its end marker: those decode on the CPU, where bad data is caught)."""
+    from PIL import Image
+
+    if not (data[:2] == b"\xff\xd8" and data.rstrip(b"\x00")[-2:] == b"\xff\xd9"):
+        return None
+    with Image.open(io.BytesIO(data)) as image:
+        if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.info.get("progressive"):
+            return None
+        width, height = image.size
+        return np.empty((height, width, 0), dtype=np.uint8), dict(image.info)
 
 
 def _encode_info(value):
@@ -422,6 +440,36 @@ def image_rows_array(rows: list[list[tuple[np.ndarray, dict]] | None]) -> pa.Lis
     np.cumsum(counts, out=list_offsets[1:])
     missing = pa.array([row is None for row in rows], pa.bool_())
     return pa.ListArray.from_arrays(pa.array(list_offsets), images, mask=missing)
+
+
+def with_rgb(lists: pa.ListArray, filled: dict[int, np.ndarray]) -> pa.ListArray:
+    """A ``list<IMAGE_STRUCT>`` column with the pixels of some images set: ``filled`` maps an image's position among
+    the column's images (row order) to its (H, W, 3) uint8 RGB; the others keep theirs. Width, height and ``info``
+    stay; the pixels are copied into one new buffer."""
+    import pyarrow.compute as pc
+
+    first = lists.offsets[0].as_py()
+    count = lists.offsets[len(lists)].as_py() - first
+    items = lists.values.slice(first, count)
+    starts, buffer = _large_binary_layout(pc.struct_field(items, "rgb"))
+    old = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(0, np.uint8)
+    pieces = [
+        np.ascontiguousarray(filled[k]).reshape(-1) if k in filled else old[starts[k] : starts[k + 1]]
+        for k in range(count)
+    ]
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum([piece.size for piece in pieces], out=offsets[1:])
+    data = pa.allocate_buffer(int(offsets[-1]))
+    view = np.frombuffer(data, dtype=np.uint8)
+    for piece, start in zip(pieces, offsets[:-1].tolist(), strict=True):
+        view[start : start + piece.size] = piece
+    rgb = pa.LargeBinaryArray.from_buffers(pa.large_binary(), count, [None, pa.py_buffer(offsets), data])
+    fields = {name: pc.struct_field(items, name) for name in ("width", "height", "info")}
+    children = [fields["width"], fields["height"], rgb, fields["info"]]
+    struct = pa.StructArray.from_arrays(children, fields=list(IMAGE_STRUCT))
+    list_offsets = pa.array(np.asarray(lists.offsets.to_numpy(), dtype=np.int32) - first)
+    missing = pa.array(~lists.is_valid().to_numpy(zero_copy_only=False))
+    return pa.ListArray.from_arrays(list_offsets, struct, mask=missing)
 
 
 def image_from_array(rgb: np.ndarray, info_json: str | None = None):

@@ -82,6 +82,86 @@ def test_gpu_vision_actor_is_schedulable_and_matches_cpu(ray_session, geo3k_file
     assert_same_batches(_ours(geo3k_files, model_dir, config), _ours(geo3k_files, model_dir, CONFIGS[0]))
 
 
+def test_jpegs_decoded_by_the_vision_actor_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm):
+    """``vision_decode_jpeg_on_device``: baseline JPEGs skip the decode stage and are decoded in the (GPU-scheduled)
+    vision actor by torchvision on its device; on the CPU that is libjpeg-turbo, the same pixels as PIL: verl's rows."""
+    expected = oracle_mm[0]
+    assert "error" not in expected, expected.get("error")
+    config = {"vision_num_gpus": 0.5, "vision_pool_max_size": 1, "vision_device": "cpu"}
+    ours = _ours(geo3k_files, model_dir, CONFIGS[0], vision_decode_jpeg_on_device=True, **config)
+    assert_same_batches(ours, expected["batches"])
+
+
+def test_deferred_jpegs_give_the_same_block_as_the_decode_stage(geo3k_files, model_dir):
+    """In-process: the decode stage leaves the JPEGs encoded (and only those), the vision stage decodes them; the
+    output block equals the one of the CPU decode stage, byte for byte (pixels, info, patches)."""
+    from actors.tokenize import TokenizeActor
+    from ingest.config import DataConfig
+    from ingest.pipeline import plan_input
+    from ingest.read import read_unit
+    from ingest.sources import unify_schemas
+    from ingest.stages.vision import DecodeStage, VisionStage
+    from ingest.vision import DEFERRED_JPEG_COLUMN
+
+    cfg = DataConfig.from_any({**CONFIGS[2], "max_prompt_length": 4096})
+    plan = plan_input(geo3k_files, cfg, multimodal=True)
+    schema = unify_schemas(plan.infos)
+    tokenize = TokenizeActor(model_dir, cfg.to_dict(), geo3k_files, model_dir)
+    vision = VisionStage(model_dir, "cpu")
+    deferred = 0
+    for unit in plan.units:
+        for table in tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None)):
+            table = table.slice(1)  # a block that is a slice, as Ray Data may hand one over
+            left = DecodeStage(defer_jpeg=True)(table).table
+            jpegs = [x for row in left.column(DEFERRED_JPEG_COLUMN).to_pylist() if row for x in row if x is not None]
+            assert all(x[:2] == b"\xff\xd8" for x in jpegs)
+            deferred += len(jpegs)
+            assert vision(left).equals(vision(DecodeStage()(table).table))
+    assert deferred >= 3
+
+
+def test_only_complete_baseline_jpegs_are_left_to_the_device():
+    import random
+
+    from PIL import Image
+
+    from ingest.vision import decode_rgb, deferrable_jpeg
+
+    rng = random.Random(5)
+    jpeg = encode_image(*make_image("jpeg", rng))
+    size, info = deferrable_jpeg(jpeg)
+    rgb, rgb_info = decode_rgb(jpeg)
+    assert size.shape[:2] == rgb.shape[:2] and size.size == 0 and info == rgb_info
+    gray = io.BytesIO()
+    Image.new("L", (40, 30), 7).save(gray, "JPEG")
+    assert deferrable_jpeg(gray.getvalue())[1] == decode_rgb(gray.getvalue())[1]
+    progressive, cmyk = io.BytesIO(), io.BytesIO()
+    Image.fromarray(rgb).save(progressive, "JPEG", progressive=True)
+    Image.new("CMYK", (40, 30)).save(cmyk, "JPEG")
+    png = encode_image(*make_image("png", rng))
+    # the rest decodes on the CPU in the decode stage, where a truncated file becomes a quarantine record
+    assert all(deferrable_jpeg(data) is None for data in (progressive.getvalue(), cmyk.getvalue(), png, jpeg[:-300]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
+    """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo: never run here (no GPU was lent); the bounds are
+    generous guesses (a different IDCT and chroma upsampling), the grids and ids must be equal."""
+    gpu_config = {"vision_num_gpus": 1, "vision_device": "cuda", "vision_decode_jpeg_on_device": True}
+    gpu = _ours(geo3k_files, model_dir, {**CONFIGS[0], **gpu_config})
+    cpu = _ours(geo3k_files, model_dir, CONFIGS[0])
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        for x, y in zip(a["multi_modal_data"], b["multi_modal_data"], strict=True):
+            for p, q in zip(x["image"], y["image"], strict=True):
+                assert p.size == q.size and p.mode == q.mode == "RGB"
+                difference = np.abs(np.asarray(p, dtype=np.int16) - np.asarray(q, dtype=np.int16))
+                assert difference.mean() < 2 and difference.max() <= 64
+        for x, y in zip(a["multi_modal_inputs"], b["multi_modal_inputs"], strict=True):
+            assert torch.equal(x["image_grid_thw"], y["image_grid_thw"])
+            assert (x["pixel_values"] - y["pixel_values"]).abs().mean() < 0.05
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_vision_matches_cpu_within_tolerance(ray_session, geo3k_files, model_dir):
     from ingest.pixels import ImagePixels

@@ -34,6 +34,7 @@ from ingest.errors import BadRowError
 from ingest.pixels import ImagePixels
 from ingest.video import decode_video_frames, resize_frames
 from ingest.vision import (
+    DEFERRED_JPEG_COLUMN,
     IMAGE_GRIDS_COLUMN,
     IMAGE_STRUCT,
     MEDIA_BYTES_COLUMN,
@@ -44,12 +45,14 @@ from ingest.vision import (
     VIDEO_PLANS_COLUMN,
     contiguous,
     decode_rgb,
+    deferrable_jpeg,
     image_rows_array,
     pixel_rows_array,
     rgb_arrays,
     tensor_from_record,
     tensor_record,
     tensor_rows_array,
+    with_rgb,
 )
 
 MULTI_MODAL_DATA = "multi_modal_data"
@@ -85,16 +88,28 @@ class DecodeStage:
         image_key: str = "images",
         video_key: str = "videos",
         keep_provenance: bool = False,
+        defer_jpeg: bool = False,
     ):
         self.files = list(files)
         self.on_bad_row = on_bad_row
         self.image_key, self.video_key = image_key, video_key
         self.keep_provenance = keep_provenance
+        self.defer_jpeg = defer_jpeg  # leave device-decodable JPEGs encoded for the vision stage (deferrable_jpeg)
 
     @classmethod
     def from_config(cls, config: dict, files: Sequence[str], keep_provenance: bool = False) -> DecodeStage:
         keys = ("on_bad_row", "image_key", "video_key")
-        return cls(files, keep_provenance=keep_provenance, **{k: config[k] for k in keys if k in config})
+        defer = bool(config.get("vision_decode_jpeg_on_device", False))
+        options = {k: config[k] for k in keys if k in config}
+        return cls(files, keep_provenance=keep_provenance, defer_jpeg=defer, **options)
+
+    def _decode(self, data: bytes) -> tuple[np.ndarray, dict, bytes | None]:
+        """(RGB pixels, PIL info, None), or for a JPEG left to the vision stage ((H, W, 0) size, info, its bytes)."""
+        if self.defer_jpeg:
+            header = deferrable_jpeg(data)
+            if header is not None:
+                return (*header, data)
+        return (*decode_rgb(data), None)
 
     def __call__(self, table: pa.Table) -> StageResult:
         if MEDIA_BYTES_COLUMN not in table.column_names:  # not a block of the tokenize stage's processor path
@@ -106,7 +121,7 @@ class DecodeStage:
         bad: dict[int, BadRowError] = {}
         for i in range(table.num_rows):
             try:
-                images[i] = None if encoded[i] is None else [decode_rgb(data) for data in encoded[i]]
+                images[i] = None if encoded[i] is None else [self._decode(data) for data in encoded[i]]
             except Exception as exc:
                 bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
                 continue
@@ -126,7 +141,11 @@ class DecodeStage:
             table = table.take(kept)
             images, frames = [images[i] for i in kept], [frames[i] for i in kept]
         index = table.column_names.index(MEDIA_BYTES_COLUMN)
-        table = table.set_column(index, MULTI_MODAL_DATA, image_rows_array(images))
+        pixels = [None if row is None else [(rgb, info) for rgb, info, _ in row] for row in images]
+        table = table.set_column(index, MULTI_MODAL_DATA, image_rows_array(pixels))
+        if self.defer_jpeg:
+            deferred = [None if row is None else [jpeg for *_, jpeg in row] for row in images]
+            table = table.append_column(DEFERRED_JPEG_COLUMN, pa.array(deferred, pa.list_(pa.large_binary())))
         index = table.column_names.index(VIDEO_PLANS_COLUMN)
         table = table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
         return StageResult(self._drop_internal(table), counts, quarantine)
@@ -175,6 +194,26 @@ def limit_torch_threads() -> None:
 
         if torch.get_num_threads() != int(threads):
             torch.set_num_threads(int(threads))
+
+
+def decode_jpegs(jpegs: list[bytes], device: str) -> list:
+    """JPEG bytes -> (3, H, W) uint8 RGB tensors on ``device``: one batched ``torchvision.io.decode_jpeg`` call
+    (nvJPEG on cuda). Where the device decoder refuses an image, PIL decodes it on the CPU (then uploaded)."""
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = [torch.frombuffer(bytearray(jpeg), dtype=torch.uint8) for jpeg in jpegs]
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:  # one image the device decoder cannot take fails the batch: decode one by one
+        out = []
+        for jpeg, tensor in zip(jpegs, data, strict=True):
+            try:
+                out.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError:
+                rgb = decode_rgb(jpeg)[0]
+                out.append(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(device))
+        return out
 
 
 def resolve_device(device: str) -> str:
@@ -252,11 +291,14 @@ class VisionStage:
         if MULTI_MODAL_DATA not in table.column_names:
             return table
         n = table.num_rows
+        on_device: dict[int, object] = {}
+        if DEFERRED_JPEG_COLUMN in table.column_names:
+            table, on_device = self._decode_deferred(table)
         images = rgb_arrays(table.column(MULTI_MODAL_DATA))
         inputs: list[dict] = [{} for _ in range(n)]
         image_inputs = None
         if any(images):
-            image_inputs = self._image_inputs(images, table.column(IMAGE_GRIDS_COLUMN))
+            image_inputs = self._image_inputs(images, table.column(IMAGE_GRIDS_COLUMN), on_device)
         videos = [None] * n
         for i, row in enumerate(table.column(VIDEO_FRAMES_COLUMN).to_pylist()):
             if row is not None:
@@ -284,14 +326,42 @@ class VisionStage:
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
         return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
 
-    def _image_inputs(self, images: list, expected_grids: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+    def _decode_deferred(self, table: pa.Table) -> tuple[pa.Table, dict[int, object]]:
+        """Decode the JPEGs the decode stage left encoded, in one batched call on ``device`` (nvJPEG through
+        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). Their RGB goes into
+        ``multi_modal_data`` (a copy to the host); the device tensors, by their position among the batch's images,
+        feed the pixel ops without a second upload. Returns the table without ``DEFERRED_JPEG_COLUMN``."""
+        images = contiguous(table.column(MULTI_MODAL_DATA))
+        first = images.offsets[0].as_py()
+        positions, jpegs = [], []
+        deferred = table.column(DEFERRED_JPEG_COLUMN).to_pylist()
+        for start, items in zip(images.offsets.to_pylist(), deferred, strict=False):  # offsets: one more
+            for j, jpeg in enumerate(items or ()):
+                if jpeg is not None:
+                    positions.append(start + j - first)
+                    jpegs.append(jpeg)
+        table = table.drop_columns([DEFERRED_JPEG_COLUMN])
+        if not jpegs:
+            return table, {}
+        decoded = decode_jpegs(jpegs, self.device)
+        host = {p: tensor.permute(1, 2, 0).cpu().numpy() for p, tensor in zip(positions, decoded, strict=True)}
+        table = table.set_column(table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, with_rgb(images, host))
+        return table, dict(zip(positions, decoded, strict=True))
+
+    def _image_inputs(
+        self, images: list, expected_grids: pa.ChunkedArray, on_device: dict | None = None
+    ) -> tuple[pa.Array, pa.Array]:
         """One pixel call over every image of the batch -> per-row ``pixel_values`` / ``image_grid_thw`` records
-        (uint8 patches for the consumer to normalize where our torch ops serve the processor, see ``PIXELS_STRUCT``)."""
+        (uint8 patches for the consumer to normalize where our torch ops serve the processor, see ``PIXELS_STRUCT``).
+        ``on_device``: (3, H, W) tensors already on ``device`` for some images, by position in the batch."""
         flat = [image for row in images if row for image in row]
+        for position, tensor in (on_device or {}).items():
+            flat[position] = tensor
         if self.pixels is not None:
             patches, grids = self.pixels.patches(flat, self.device)
             pixel_values, norm = patches.cpu().numpy(), self.pixels.norm
         else:
+            flat = [np.asarray(im.permute(1, 2, 0).cpu()) if not isinstance(im, np.ndarray) else im for im in flat]
             (pixel_values, grids), norm = self.pixel_values(flat), None
         expected = [g for row in expected_grids.to_pylist() for g in row]
         if grids.tolist() != expected:
