@@ -122,6 +122,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
         return 0
+    if args.kind == "vision":  # images/s of the vision pool alone: 2-core CPU pool vs a GPU actor (default 1000)
+        from ingest.vision_bench import bench_vision
+
+        print(json.dumps(bench_vision(rows=(args.rows or [1000])[0], work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "mm":
         result = bench_mm(
             rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl, warm_workers=args.warm_workers
@@ -160,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=cmd_sample)
 
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale"])
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")

@@ -418,3 +418,17 @@ def test_media_that_fails_to_decode_strict_raises_naming_file_and_row(ray_sessio
         collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
     err = find_ingest_error(info.value)
     assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")
+
+
+def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):
+    """``bench vision``'s blocks are the decode stage's output and its pool runs ``VisionStage`` on them (a smoke
+    test of the command's parts on the session's Ray: no timing asserted)."""
+    from ingest.vision_bench import decoded_blocks, image_count, time_pool
+
+    blocks = decoded_blocks(geo3k_files, model_dir)
+    assert sum(image_count(b) for b in blocks) >= sum(b.num_rows for b in blocks) > 0
+    timing = time_pool([ray.put(b) for b in blocks], model_dir, actors=1, num_cpus=0.5, num_gpus=0, device="cpu")
+    assert timing["seconds"] > 0 and timing["device"] == "cpu"
+    deferred = decoded_blocks(geo3k_files, model_dir, defer_jpeg=True)
+    jpegs = [x for b in deferred for row in b.column("_media_deferred_jpeg").to_pylist() if row for x in row if x]
+    assert jpegs and all(x[:2] == b"\xff\xd8" for x in jpegs)

@@ -1,0 +1,131 @@
+"""``python -m ingest bench vision``: images/s of the vision pool alone, a 2-core CPU pool against a GPU actor.
+
+The issue's GPU target compares the vision pool on a GPU with the 2-core CPU pool. Both get the same blocks: geo3k
+rows (``bench mm``'s data) tokenized and decoded in this process beforehand, put in the object store. Each pool is a
+set of Ray actors hosting ``VisionStage`` (the vision pool's code), warmed up with one block each; then every block
+goes through the pool round-robin (at most two calls in flight per actor) and the output blocks are written to the
+object store, as Ray Data's pool writes them. Clock: from the first submit to the last output; start-up is not on it.
+
+- ``cpu``: 2 actors x 1 CPU on ``device="cpu"`` (torch on one thread each: the 2-core CPU pool),
+- ``cuda``: 1 actor x 1 GPU on ``device="cuda"`` (skipped without a CUDA device); ``cuda+jpeg``: the same with
+  ``vision_decode_jpeg_on_device`` (its blocks keep the JPEGs encoded, so the actor decodes them with nvJPEG).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import pyarrow as pa
+
+CPU_POOL = {"actors": 2, "num_cpus": 1, "num_gpus": 0, "device": "cpu"}
+GPU_POOL = {"actors": 1, "num_cpus": 1, "num_gpus": 1, "device": "cuda"}
+
+
+def decoded_blocks(files: list[str], model: str, defer_jpeg: bool = False) -> list[pa.Table]:
+    """The decode stage's output blocks for ``files`` (read units of ``bench mm``'s layout), in this process."""
+    from actors.tokenize import TokenizeActor
+    from ingest.bench import BENCH_CONFIG
+    from ingest.config import DataConfig
+    from ingest.pipeline import plan_input
+    from ingest.read import read_unit
+    from ingest.sources import unify_schemas
+    from ingest.stages.vision import DecodeStage
+
+    cfg = DataConfig.from_any({**BENCH_CONFIG, "truncation": "left"})
+    plan = plan_input(files, cfg, multimodal=True)
+    schema = unify_schemas(plan.infos)
+    tokenize = TokenizeActor(model, cfg.to_dict(), files, model)
+    decode = DecodeStage(defer_jpeg=defer_jpeg)
+    blocks = []
+    for unit in plan.units:
+        for table in tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None)):
+            blocks.append(decode(table).table)
+    return blocks
+
+
+def image_count(block: pa.Table) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(block.column("multi_modal_data")).fill_null(0)).as_py() or 0)
+
+
+def _vision_actor(num_cpus: float, num_gpus: float):
+    import ray
+
+    @ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)
+    class VisionBenchActor:
+        def __init__(self, processor: str, device: str):
+            from ingest.stages.vision import VisionStage
+
+            self.stage = VisionStage(processor, device)
+
+        def run(self, block: pa.Table) -> pa.Table:
+            return self.stage(block)
+
+    return VisionBenchActor
+
+
+def time_pool(blocks: list, model: str, actors: int, num_cpus: float, num_gpus: float, device: str) -> dict:
+    """Images/s of ``actors`` vision actors over ``blocks`` (object refs), after one warm-up block per actor."""
+    import ray
+
+    cls = _vision_actor(num_cpus, num_gpus)
+    pool = [cls.remote(model, device) for _ in range(actors)]
+    ray.get([actor.run.remote(blocks[k % len(blocks)]) for k, actor in enumerate(pool)])  # warm-up
+    started = time.perf_counter()
+    pending: list = []
+    for k, block in enumerate(blocks):
+        if len(pending) >= 2 * actors:
+            done, pending = ray.wait(pending, num_returns=1)
+        pending.append(pool[k % actors].run.remote(block))
+    ray.wait(pending, num_returns=len(pending))
+    seconds = time.perf_counter() - started
+    for actor in pool:
+        ray.kill(actor)
+    return {"seconds": round(seconds, 3), "actors": actors, "device": device}
+
+
+def bench_vision(rows: int = 1000, work_dir: str | None = None, gpu: bool | None = None) -> dict:
+    """The CPU pool, then (with a CUDA device, or ``gpu=True``) the GPU actor with and without device JPEG decode."""
+    import ray
+    import torch
+
+    from ingest.bench import _work_dir
+    from ingest.offline import build_offline_model_dir
+    from ingest.sample import write_geo3k_parquet
+
+    model = str(build_offline_model_dir())
+    out = _work_dir(work_dir) / f"geo3k-{rows}"
+    files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, rows, row_group_size=100)
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    runs = [("cpu", CPU_POOL, False)]
+    if gpu:
+        runs += [("cuda", GPU_POOL, False), ("cuda+jpeg", GPU_POOL, True)]
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    result = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "gpu": torch.cuda.get_device_name(0) if gpu else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": rows,
+        "pools": {},
+    }
+    try:
+        for name, pool, defer in runs:
+            blocks = decoded_blocks(files, model, defer_jpeg=defer)
+            images = sum(image_count(b) for b in blocks)
+            refs = [ray.put(b) for b in blocks]
+            del blocks
+            timing = time_pool(refs, model, **pool)
+            result["pools"][name] = {**timing, "images": images, "images_per_s": round(images / timing["seconds"], 1)}
+            print(name, result["pools"][name], flush=True)
+    finally:
+        ray.shutdown()
+    cpu = result["pools"]["cpu"]["images_per_s"]
+    for name in ("cuda", "cuda+jpeg"):
+        if name in result["pools"]:
+            result[f"ratio_{name}_vs_cpu"] = round(result["pools"][name]["images_per_s"] / cpu, 2)
+    if not gpu:
+        result["note"] = "no CUDA device here: the CPU pool only (run on a GPU machine for the GPU figures)"
+    return result
