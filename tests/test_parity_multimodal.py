@@ -351,12 +351,15 @@ def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
     assert '"content": "<image>corrupt"' in records[0]["original"]
 
 
-def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path):
-    path = _bad_media_file(tmp_path / "bad.parquet")
+@pytest.mark.parametrize("kind", ["bad header or file", "fails to decode"])
+def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path, kind):
+    # row 1 is bad in both files: caught by the tokenize stage (header) or by the decode stage (pixels)
+    make = _bad_media_file if kind == "bad header or file" else _truncated_media_file
+    path = make(tmp_path / "bad.parquet")
     with pytest.raises(BadRowError) as info:
         collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
     err = find_ingest_error(info.value)
-    assert (err.file, err.row, err.column) == (path, 1, "images")
+    assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")
 
 
 def test_raw_bytes_column_decodes_like_pil(ray_session, model_dir, tmp_path):
@@ -410,14 +413,6 @@ def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, mode
     assert [(r["file"], r["row"], r["column"]) for r in records] == [(path, 1, "images"), (path, 2, "images")]
     assert all(r["reason"].startswith("bad image: ") for r in records)
     assert '"index": 2' in records[1]["original"]
-
-
-def test_media_that_fails_to_decode_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path):
-    path = _truncated_media_file(tmp_path / "truncated.parquet")
-    with pytest.raises(BadRowError) as info:
-        collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
-    err = find_ingest_error(info.value)
-    assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")
 
 
 def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):
