@@ -242,6 +242,30 @@ def test_bad_conversations_quarantine_strict_and_counts(ray_session, model_dir, 
     assert f"file {path}, row 1" in str(err)
 
 
+def test_cut_image_files_are_quarantined_before_the_vision_actor(ray_session, model_dir, tmp_path):
+    """Images whose header reads but whose file is cut short (a PNG, a JPEG) are bad rows of the render stage: the
+    SFT vision actor decodes them with no per-row quarantine, and a half-read file used to crash the run there."""
+    png, jpeg = _image(random.Random(1), "png"), _image(random.Random(2), "jpeg")
+    images = [png, png[: len(png) // 2], jpeg[: len(jpeg) - 400], jpeg]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
+         "images": [{"bytes": data, "path": None}]}
+        for i, data in enumerate(images)
+    ]  # fmt: skip
+    path = _write(tmp_path / "cut.parquet", rows)
+    ledger = RunLedger.remote()
+    out = _rows(build_sft_dataset(path, model_dir, BASE, processor=model_dir, ledger=ledger))
+    assert len(out) == 2
+    counts = ray_session.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (4, 2, 2)
+    records = ray_session.get(ledger.quarantine.remote())
+    assert [(r["row"], r["column"]) for r in records] == [(1, "images"), (2, "images")]
+    assert all(r["file"] == path and r["reason"].startswith("bad image: ") for r in records)
+    with pytest.raises(BadRowError) as info:
+        _rows(build_sft_dataset(path, model_dir, {**BASE, "on_bad_row": "raise"}, processor=model_dir))
+    assert (info.value.file, info.value.row, info.value.column) == (path, 1, "images")
+
+
 # --- images ------------------------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from ingest.vision import (
     IMAGE_PAD,
     VIDEO_PAD,
     VisionSpec,
+    check_complete,
     decode_rgb,
     grid_tokens,
     image_grid,
@@ -134,18 +135,22 @@ class MediaProcessor:
     def load(self, values: dict[str, list], process: bool) -> dict[str, list[_Loaded]]:
         out: dict[str, list[_Loaded]] = {}
         if values["image"]:
-            out["image"] = [self._load_image(v) for v in values["image"]]
+            out["image"] = [self._load_image(v, deferred=not process) for v in values["image"]]
             if process:
                 self._image_outputs(out["image"])
         if values["video"]:
             out["video"] = self._videos(values["video"])
         return out
 
-    def _load_image(self, value) -> _Loaded:
+    def _load_image(self, value, deferred: bool = False) -> _Loaded:
+        """``deferred``: the pixels are decoded later, in the SFT vision actor, which has no per-row quarantine; a
+        file cut short is a bad image here already (``check_complete``: no pixel decode)."""
         try:
             data = _encoded_bytes(value)
             if data is not None:
                 width, height = image_size(data)
+                if deferred:
+                    check_complete(data)
                 rgb = None
                 digest = hashlib.sha256(data).hexdigest()
             else:
