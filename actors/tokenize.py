@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import partial
 
 import pyarrow as pa
 
@@ -33,14 +34,10 @@ class TokenizeActor:
         self.batch_size = cfg.tokenizer_batch_size
         self.decode = None
         if decode:  # the decode stage in this actor (no decode pool): one process and one pixel copy fewer
-            from ingest.stages.vision import DecodeStage
+            from ingest.stages.vision import DecodeStage, decode_block
 
-            self.decode = DecodeStage.from_config(config, files, keep_provenance)
+            self.decode = partial(decode_block, DecodeStage.from_config(config, files, keep_provenance), ledger=ledger)
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
         tables = stage_unit(self.stage, unit, self.batch_size, self.ledger)
-        if self.decode is None:
-            return tables
-        from ingest.stages.vision import decode_block
-
-        return (decode_block(self.decode, table, self.ledger) for table in tables)
+        return tables if self.decode is None else map(self.decode, tables)
