@@ -40,4 +40,5 @@ class TokenizeActor:
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
         tables = stage_unit(self.stage, unit, self.batch_size, self.ledger)
-        return tables if self.decode is None else map(self.decode, tables)
+        # a generator, not a map object: Ray Data takes generators (and tables) as a UDF's output
+        return tables if self.decode is None else (self.decode(table) for table in tables)
