@@ -1,6 +1,6 @@
 """What stages report about rows: per-batch counts, quarantine records, and the provenance columns that locate a row.
 
-Light on imports (pyarrow and Ray only): the decode actor reports bad media through it without importing the
+Light on imports (pyarrow, Ray, ``ingest.errors``): the decode actor reports bad media through it without importing the
 tokenizer's modules.
 """
 
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+
+from ingest.errors import BadRowError
 
 FILE_COLUMN = "_ingest_file"  # index into the run's file list
 ROW_COLUMN = "_ingest_row"  # 0-based row in that file
@@ -35,6 +38,16 @@ class StageResult:
     table: pa.Table
     counts: BatchCounts
     quarantine: list[dict] = field(default_factory=list)
+
+
+def row_error(files: Sequence[str], table: pa.Table, i: int, reason: str, column: str | None) -> BadRowError:
+    """A ``BadRowError`` for row ``i`` of ``table``, located by its provenance columns and ``files`` (file or row left
+    unset where a table has no provenance or a stage was built without the file list, as when called on its own)."""
+    names = table.column_names
+    file = table.column(FILE_COLUMN)[i].as_py() if FILE_COLUMN in names else None
+    row = table.column(ROW_COLUMN)[i].as_py() if ROW_COLUMN in names else None
+    name = files[file] if file is not None and file < len(files) else None
+    return BadRowError(reason, file=name, row=row, column=column)
 
 
 def quarantine_record(error, row: dict | None) -> dict:

@@ -151,6 +151,13 @@ def read_image_bytes(value, storage_options: dict | None = None) -> bytes:
         return f.read()
 
 
+def _complete_jpeg(data: bytes) -> bool | None:
+    """None when ``data`` is not a JPEG; else whether it ends with its end-of-image marker (trailing zeros allowed)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    return data.rstrip(b"\x00")[-2:] == b"\xff\xd9"
+
+
 def check_complete(data: bytes) -> None:
     """Raise ``OSError`` for an image file cut short, without decoding pixels: a PNG's chunks are read to ``IEND``
     with their CRCs checked (PIL ``verify``; stricter than decoding in one case: a PNG missing only ``IEND``), a JPEG
@@ -161,7 +168,7 @@ def check_complete(data: bytes) -> None:
     if data[:8] == b"\x89PNG\r\n\x1a\n":
         with Image.open(io.BytesIO(data)) as image:
             image.verify()
-    elif data[:2] == b"\xff\xd8" and data.rstrip(b"\x00")[-2:] != b"\xff\xd9":
+    elif _complete_jpeg(data) is False:
         raise OSError("truncated JPEG file (no end-of-image marker)")
 
 
@@ -192,7 +199,7 @@ def deferrable_jpeg(data: bytes) -> tuple[np.ndarray, dict] | None:
     progressive or CMYK JPEG, a file without its end marker: those decode on the CPU, where bad data is caught)."""
     from PIL import Image
 
-    if not (data[:2] == b"\xff\xd8" and data.rstrip(b"\x00")[-2:] == b"\xff\xd9"):
+    if not _complete_jpeg(data):
         return None
     with Image.open(io.BytesIO(data)) as image:
         if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.info.get("progressive"):
@@ -427,19 +434,24 @@ def tensor_rows(column: pa.Array, copy: bool = True) -> list[np.ndarray | None]:
     return out
 
 
+def _packed_binary(arrays: list[np.ndarray]) -> pa.LargeBinaryArray:
+    """A ``large_binary`` value per array (its bytes, C order), all copied once into one buffer."""
+    pieces = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum([piece.size for piece in pieces], out=offsets[1:])
+    # Arrow's memory pool keeps freed pages for the next block (a fresh numpy buffer would page-fault every time)
+    buffer = pa.allocate_buffer(int(offsets[-1]))
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    for piece, start in zip(pieces, offsets[:-1].tolist(), strict=True):
+        data[start : start + piece.size] = piece
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(pieces), [None, pa.py_buffer(offsets), buffer])
+
+
 def image_rows_array(rows: list[list[tuple[np.ndarray, dict]] | None]) -> pa.ListArray:
     """``list<IMAGE_STRUCT>`` per row (null for None) from (H, W, 3) uint8 pixels and PIL ``info``: the pixels copied
     once, into one buffer (no per-image ``bytes`` objects)."""
     flat = [image for row in rows if row for image in row]
-    arrays = [np.ascontiguousarray(rgb).reshape(-1) for rgb, _ in flat]
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([a.size for a in arrays], out=offsets[1:])
-    # Arrow's memory pool keeps freed pages for the next block (a fresh numpy buffer would page-fault every time)
-    buffer = pa.allocate_buffer(int(offsets[-1]))
-    data = np.frombuffer(buffer, dtype=np.uint8)
-    for array, start in zip(arrays, offsets[:-1].tolist(), strict=True):
-        data[start : start + array.size] = array
-    rgb = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(arrays), [None, pa.py_buffer(offsets), buffer])
+    rgb = _packed_binary([rgb for rgb, _ in flat])
     images = pa.StructArray.from_arrays(
         [
             pa.array([image.shape[1] for image, _ in flat], pa.int32()),
@@ -467,17 +479,7 @@ def with_rgb(lists: pa.ListArray, filled: dict[int, np.ndarray]) -> pa.ListArray
     items = lists.values.slice(first, count)
     starts, buffer = _large_binary_layout(pc.struct_field(items, "rgb"))
     old = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(0, np.uint8)
-    pieces = [
-        np.ascontiguousarray(filled[k]).reshape(-1) if k in filled else old[starts[k] : starts[k + 1]]
-        for k in range(count)
-    ]
-    offsets = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum([piece.size for piece in pieces], out=offsets[1:])
-    data = pa.allocate_buffer(int(offsets[-1]))
-    view = np.frombuffer(data, dtype=np.uint8)
-    for piece, start in zip(pieces, offsets[:-1].tolist(), strict=True):
-        view[start : start + piece.size] = piece
-    rgb = pa.LargeBinaryArray.from_buffers(pa.large_binary(), count, [None, pa.py_buffer(offsets), data])
+    rgb = _packed_binary([filled[k] if k in filled else old[starts[k] : starts[k + 1]] for k in range(count)])
     fields = {name: pc.struct_field(items, name) for name in ("width", "height", "info")}
     children = [fields["width"], fields["height"], rgb, fields["info"]]
     struct = pa.StructArray.from_arrays(children, fields=list(IMAGE_STRUCT))

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import FILE_COLUMN, ROW_COLUMN, BatchCounts, StageResult, quarantine_record
+from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
 from ingest.config import DataConfig
 from ingest.errors import BadRowError
 from ingest.messages import split_media_placeholders
@@ -140,12 +140,7 @@ class SFTRenderStage:
         self.max_length = min(limits) if limits else None
 
     def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
-        return BadRowError(
-            reason,
-            file=self.files[table.column(FILE_COLUMN)[i].as_py()],
-            row=table.column(ROW_COLUMN)[i].as_py(),
-            column=column,
-        )
+        return row_error(self.files, table, i, reason, column)
 
     def _columns(self, table: pa.Table) -> dict[str, list | None]:
         cfg = self.config

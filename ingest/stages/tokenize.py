@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 
 from ingest.accounting import (
-    FILE_COLUMN,
     PROVENANCE_COLUMNS,
     ROW_COLUMN,
     BatchCounts,
     StageResult,
     quarantine_record,
+    row_error,
 )
 from ingest.config import DataConfig
 from ingest.errors import BadRowError, redact, secret_values
@@ -100,12 +100,7 @@ class PromptTokenizeStage:
             self.image_pad_id, self.video_pad_id, self.vision_start_id = ids
 
     def _error(self, table: pa.Table, i: int, reason: str, column: str | None = None) -> BadRowError:
-        return BadRowError(
-            reason,
-            file=self.files[table.column(FILE_COLUMN)[i].as_py()],
-            row=table.column(ROW_COLUMN)[i].as_py(),
-            column=column or self.config.prompt_key,
-        )
+        return row_error(self.files, table, i, reason, column or self.config.prompt_key)
 
     def __call__(self, table: pa.Table) -> StageResult:
         invalid = self._invalid_values(table)

@@ -21,14 +21,13 @@ import numpy as np
 import pyarrow as pa
 
 from ingest.accounting import (
-    FILE_COLUMN,
     PROVENANCE_COLUMNS,
-    ROW_COLUMN,
     BatchCounts,
     StageResult,
     batch_key,
     quarantine_record,
     report_counts,
+    row_error,
 )
 from ingest.errors import BadRowError
 from ingest.pixels import ImagePixels
@@ -151,10 +150,7 @@ class DecodeStage:
         return StageResult(self._drop_internal(table), counts, quarantine)
 
     def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
-        file = table.column(FILE_COLUMN)[i].as_py() if FILE_COLUMN in table.column_names else None
-        row = table.column(ROW_COLUMN)[i].as_py() if ROW_COLUMN in table.column_names else None
-        name = self.files[file] if file is not None and file < len(self.files) else None
-        return BadRowError(reason, file=name, row=row, column=column)
+        return row_error(self.files, table, i, reason, column)
 
     @staticmethod
     def _row_dict(table: pa.Table, i: int) -> dict | None:
