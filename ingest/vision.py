@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ PROMPT_TOKENS_COLUMN = "_media_prompt_tokens"
 # JPEGs the decode stage left encoded for the vision stage to decode on its device (vision_decode_jpeg_on_device):
 # per row, one entry per image (null: decoded already); their multi_modal_data records have size and info, no pixels
 DEFERRED_JPEG_COLUMN = "_media_deferred_jpeg"
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def image_processor_config(path: str | Path) -> dict:
@@ -165,7 +168,7 @@ def check_complete(data: bytes) -> None:
     quarantine (the SFT vision actor). Other formats pass."""
     from PIL import Image
 
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
+    if data[:8] == _PNG_SIGNATURE:
         with Image.open(io.BytesIO(data)) as image:
             image.verify()
     elif _complete_jpeg(data) is False:
@@ -188,9 +191,47 @@ def decode_rgb(data: bytes) -> tuple[np.ndarray, dict]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
+        if image.mode in ("RGB", "RGBA") and plain_png(data):  # gray and palette PNGs: libspng is no faster
+            rgb = _spng_rgb(data)
+            if rgb is not None:  # PIL's header gave the info: nothing after the image data adds to it
+                return rgb, dict(image.info)
         # for an RGB image convert("RGB") is a copy (same pixels, same info): skip it (a fifth of decode's CPU here)
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         return np.asarray(rgb), dict(rgb.info)  # asarray loads the pixels first, as convert does
+
+
+def plain_png(data: bytes) -> bool:
+    """An 8-bit RGB or RGBA PNG with nothing but image data from its first ``IDAT`` to ``IEND``: there libspng's RGB8
+    output is PIL's ``convert("RGB")`` (lossless decode; alpha dropped, no gamma applied) and PIL's header parse has
+    all of the image's ``info`` (PIL adds text and EXIF chunks found after the image data only while loading it)."""
+    if data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR" or len(data) < 33:
+        return False
+    if data[24] != 8 or data[25] not in (2, 6):  # bit depth 8; color type RGB or RGBA
+        return False
+    position, seen_data = 8, False
+    while position + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, position)
+        if kind == b"IEND":
+            return seen_data
+        if kind == b"IDAT":
+            seen_data = True
+        elif seen_data:
+            return False
+        position += 12 + length
+    return False  # cut short: PIL decides (and names the error)
+
+
+def _spng_rgb(data: bytes) -> np.ndarray | None:
+    """(H, W, 3) uint8 from libspng (pyspng), a third faster than PIL's PNG decoder and one copy fewer; None where
+    pyspng is missing or refuses the file (a bad CRC, say): PIL then decodes it, so what fails is what PIL fails."""
+    try:
+        import pyspng
+    except ImportError:
+        return None
+    try:
+        return pyspng.load(data, format="RGB")
+    except Exception:
+        return None
 
 
 def deferrable_jpeg(data: bytes) -> tuple[np.ndarray, dict] | None:

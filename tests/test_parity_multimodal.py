@@ -143,6 +143,60 @@ def test_only_complete_baseline_jpegs_are_left_to_the_device():
     assert all(deferrable_jpeg(data) is None for data in (progressive.getvalue(), cmyk.getvalue(), png, jpeg[:-300]))
 
 
+def _png_chunks(data: bytes) -> list[list[bytes]]:
+    """[kind, payload] per chunk of a PNG file."""
+    import struct
+
+    chunks, position = [], 8
+    while position < len(data):
+        (length,) = struct.unpack_from(">I", data, position)
+        chunks.append([data[position + 4 : position + 8], data[position + 8 : position + 8 + length]])
+        position += 12 + length
+    return chunks
+
+
+def _png_file(chunks: list[list[bytes]]) -> bytes:
+    import struct
+    import zlib
+
+    body = [struct.pack(">I", len(p)) + k + p + struct.pack(">I", zlib.crc32(k + p)) for k, p in chunks]
+    return b"\x89PNG\r\n\x1a\n" + b"".join(body)
+
+
+def test_png_fast_decode_gives_pils_pixels_and_info():
+    """8-bit RGB / RGBA PNGs decode with libspng; everything else, and whatever libspng refuses, with PIL. Either
+    way the pixels and ``info`` are what PIL's ``convert("RGB")`` gives (what verl gets)."""
+    import random
+
+    from PIL import Image
+
+    from ingest.vision import decode_rgb, plain_png
+
+    def pil(data: bytes):
+        with Image.open(io.BytesIO(data)) as image:
+            rgb = image.convert("RGB")
+            return np.asarray(rgb), dict(rgb.info)
+
+    rng = random.Random(11)
+    buf = io.BytesIO()
+    make_image("png", rng)[0].convert("RGB").save(buf, "PNG", dpi=(72, 72))
+    rgb = buf.getvalue()
+    rgba = encode_image(*make_image("rgba", rng))
+    chunks = _png_chunks(rgb)
+    text = [b"tEXt", b"comment\x00after the pixels"]
+    text_after_pixels = _png_file([*chunks[:-1], text, chunks[-1]])
+    unknown_chunk = _png_file([chunks[0], [b"ABCD", b"x"], *chunks[1:]])  # PIL skips it; libspng refuses the file
+    deep = encode_image(Image.fromarray(np.full((30, 40), 300, dtype=np.uint16)), "PNG")  # 16-bit gray
+    assert plain_png(rgb) and plain_png(rgba) and plain_png(unknown_chunk)
+    assert not plain_png(text_after_pixels) and not plain_png(deep) and not plain_png(rgb[: len(rgb) // 2])
+    cases = {"rgb": rgb, "rgba": rgba, "text": text_after_pixels, "unknown chunk": unknown_chunk, "deep": deep}
+    for name, data in cases.items():
+        ours, theirs = decode_rgb(data), pil(data)
+        assert ours[0].dtype == np.uint8 and np.array_equal(ours[0], theirs[0]), name
+        assert ours[1] == theirs[1], name
+    assert decode_rgb(text_after_pixels)[1]["comment"] == "after the pixels"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
     """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo: never run here (no GPU was lent); the bounds are
