@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from ingest.offline import resolve_model_path
-from ingest.stages.vision import DecodeStage, VisionStage, decode_block
+from ingest.stages.vision import DecodeStage, VisionStage, counted_block, decode_block
 
 
 class DecodeActor:
@@ -20,8 +20,23 @@ class DecodeActor:
 
 
 class VisionActor:
-    def __init__(self, processor: str, device: str = "cpu", return_multi_modal_inputs: bool = True):
-        self.stage = VisionStage(resolve_model_path(processor), device, return_multi_modal_inputs)
+    def __init__(
+        self,
+        processor: str,
+        device: str = "cpu",
+        return_multi_modal_inputs: bool = True,
+        config: dict | None = None,
+        files: Sequence[str] = (),
+        ledger=None,
+        keep_provenance: bool = False,
+    ):
+        options = {k: v for k, v in (config or {}).items() if k in ("on_bad_row", "image_key")}
+        path = resolve_model_path(processor)
+        self.stage = VisionStage(
+            path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
+        )
+        self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch)
+        # counts only for rows whose JPEGs this stage decoded (vision_decode_jpeg_on_device); none otherwise
+        return counted_block(self.stage.process, batch, self.ledger, "vision", skip_empty=True)

@@ -128,24 +128,25 @@ def build_dataset(
     )
     if processor is None:
         return ds
-    if decode_in_tokenizer:  # no decode pool: the tokenizer actors decode (DataConfig.decode_pool_max_size)
-        return map_on_vision_pool(ds, cfg, VisionActor, _vision_kwargs(processor, cfg))
-    decode_kwargs = {
+    located = {  # what the decode and vision stages need to name, count and quarantine bad media
         "config": cfg.to_dict(),
         "files": [_describe(p) for p in plan.files],
         "ledger": ledger,
         "keep_provenance": keep_provenance,
     }
+    vision_kwargs = {**_vision_kwargs(processor, cfg), **located}
+    if decode_in_tokenizer:  # no decode pool: the tokenizer actors decode (DataConfig.decode_pool_max_size)
+        return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
     ds = ds.map_batches(
         DecodeActor,
-        fn_constructor_kwargs=decode_kwargs,
+        fn_constructor_kwargs=located,
         batch_size=None,  # one whole block per call: the output block stays one Arrow chunk (docs/design.md)
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
         num_cpus=cfg.decode_num_cpus,
     )
-    return map_on_vision_pool(ds, cfg, VisionActor, _vision_kwargs(processor, cfg))
+    return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
 
 
 def _vision_kwargs(processor: str | os.PathLike, cfg: DataConfig) -> dict:

@@ -366,6 +366,18 @@ def _png(kind="png", seed=0):
     return encode_image(*make_image(kind, random.Random(seed)))
 
 
+def _write_media_rows(path, rows: list[tuple[str, list[dict]]]) -> str:
+    """Parquet of (user prompt, images) rows, ``extra_info.index`` numbering them."""
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
+            for i, (text, images) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
 def _bad_media_file(path):
     good = {"bytes": _png(), "path": None}
     rows = [
@@ -377,14 +389,7 @@ def _bad_media_file(path):
         ("no placeholder", [good]),
         ("<image>fine again", [good]),
     ]
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
-            for i, (text, images) in enumerate(rows)
-        ]
-    )
-    pq.write_table(table, path)
-    return str(path)
+    return _write_media_rows(path, rows)
 
 
 def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
@@ -403,17 +408,6 @@ def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
     assert "bad image" in reasons[0] and "/no/such/image.png" in reasons[1] and "neither bytes" in reasons[2]
     assert reasons[3] == "2 <image> placeholders for 1 images" and reasons[4] == "0 <image> placeholders for 1 images"
     assert '"content": "<image>corrupt"' in records[0]["original"]
-
-
-@pytest.mark.parametrize("kind", ["bad header or file", "fails to decode"])
-def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path, kind):
-    # row 1 is bad in both files: caught by the tokenize stage (header) or by the decode stage (pixels)
-    make = _bad_media_file if kind == "bad header or file" else _truncated_media_file
-    path = make(tmp_path / "bad.parquet")
-    with pytest.raises(BadRowError) as info:
-        collect(build_dataset(path, model_dir, {"shuffle": False, "on_bad_row": "raise"}, processor=model_dir))
-    err = find_ingest_error(info.value)
-    assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")
 
 
 def test_raw_bytes_column_decodes_like_pil(ray_session, model_dir, tmp_path):
@@ -440,21 +434,42 @@ def _truncated_media_file(path):
         ("<image><image>second one truncated", [{"bytes": png, "path": None}, {"bytes": png[:200], "path": None}]),
         ("<image>fine again", [{"bytes": png, "path": None}]),
     ]
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
-            for i, (text, images) in enumerate(rows)
-        ]
-    )
-    pq.write_table(table, path)
-    return str(path)
+    return _write_media_rows(path, rows)
 
 
-@pytest.mark.parametrize("decode_pool_max_size", [1, 0], ids=["decode pool", "decode in tokenizer actors"])
-def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, decode_pool_max_size):
-    path = _truncated_media_file(tmp_path / "truncated.parquet")
+def _broken_jpeg_file(path):
+    """JPEGs complete to their end marker, so that with ``vision_decode_jpeg_on_device`` the decode stage leaves them to
+    the vision actor, where neither torchvision nor PIL decodes them (a stray start-of-image marker mid-scan)."""
+    jpeg, png = _png("jpeg"), _png()
+    broken = jpeg[: len(jpeg) // 2] + b"\xff\xd8\x00\x04\x00\x00" + jpeg[len(jpeg) // 2 :]
+    rows = [
+        ("<image>fine", [{"bytes": jpeg, "path": None}]),
+        ("<image>broken", [{"bytes": broken, "path": None}]),
+        ("<image><image>a png, then a broken jpeg", [{"bytes": png, "path": None}, {"bytes": broken, "path": None}]),
+        ("<image>fine again", [{"bytes": jpeg, "path": None}]),
+    ]
+    return _write_media_rows(path, rows)
+
+
+_CPU_KERNELS = {"vision_device": "cpu"}
+# where media that fail to decode are caught: the decode pool, the tokenizer actors (decode_pool_max_size 0), or for
+# JPEGs left to the device decoder, the (GPU-scheduled; kernels on the CPU here) vision actor
+_DECODE_PLACES = {
+    "decode pool": (_truncated_media_file, {"decode_pool_max_size": 1}),
+    "decode in tokenizer actors": (_truncated_media_file, {"decode_pool_max_size": 0}),
+    "jpeg decode in the vision actor": (
+        _broken_jpeg_file,
+        {"vision_decode_jpeg_on_device": True, "vision_num_gpus": 0.5, "vision_pool_max_size": 1, **_CPU_KERNELS},
+    ),
+}
+
+
+@pytest.mark.parametrize("place", list(_DECODE_PLACES))
+def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
+    make, extra = _DECODE_PLACES[place]
+    path = make(tmp_path / "undecodable.parquet")
     ledger = RunLedger.remote()
-    config = {"shuffle": False, "decode_pool_max_size": decode_pool_max_size}
+    config = {"shuffle": False, **extra}
     ds = build_dataset(path, model_dir, config, processor=model_dir, ledger=ledger)
     batches = collect(ds)
     assert [int(i) for b in batches for i in b["index"]] == [0, 3]
@@ -467,6 +482,18 @@ def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, mode
     assert [(r["file"], r["row"], r["column"]) for r in records] == [(path, 1, "images"), (path, 2, "images")]
     assert all(r["reason"].startswith("bad image: ") for r in records)
     assert '"index": 2' in records[1]["original"]
+
+
+@pytest.mark.parametrize("kind", ["bad header or file", *_DECODE_PLACES])
+def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path, kind):
+    # row 1 is bad in every file: caught by the tokenize stage (header) or where the pixels are decoded
+    make, extra = (_bad_media_file, {}) if kind == "bad header or file" else _DECODE_PLACES[kind]
+    path = make(tmp_path / "bad.parquet")
+    config = {"shuffle": False, "on_bad_row": "raise", **extra}
+    with pytest.raises(BadRowError) as info:
+        collect(build_dataset(path, model_dir, config, processor=model_dir))
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (path, 1, "images") and err.reason.startswith("bad image: ")
 
 
 def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):

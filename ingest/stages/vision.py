@@ -131,9 +131,11 @@ class DecodeStage:
         if bad and self.on_bad_row == "raise":
             raise bad[min(bad)]
         kept = [i for i in range(table.num_rows) if i not in bad]
+        # rows with a JPEG left to the vision stage can still turn out bad there: that stage counts them
+        counted = [i for i in kept if not any(jpeg is not None for *_, jpeg in images[i] or ())]
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
-        counts = BatchCounts(rows_out=len(kept), quarantined=len(bad), prompt_tokens=int(tokens[kept].sum()))
-        quarantine = [quarantine_record(err, self._row_dict(table, i)) for i, err in sorted(bad.items())]
+        counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
+        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
         if bad:
             for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN):  # consumed: not worth copying in the take
                 table = table.set_column(table.column_names.index(name), name, pa.nulls(table.num_rows))
@@ -152,18 +154,26 @@ class DecodeStage:
     def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
         return row_error(self.files, table, i, reason, column)
 
-    @staticmethod
-    def _row_dict(table: pa.Table, i: int) -> dict | None:
-        """What the record can show of the row here: its plain columns (the prompt and media were consumed)."""
-        names = [n for n in table.column_names if not n.startswith("_") and n not in _TENSOR_COLUMNS]
-        try:
-            return table.select(names).slice(i, 1).to_pylist()[0]
-        except Exception:
-            return None
-
     def _drop_internal(self, table: pa.Table) -> pa.Table:
-        drop = [PROMPT_TOKENS_COLUMN] + ([] if self.keep_provenance else list(PROVENANCE_COLUMNS))
-        return table.drop_columns([name for name in drop if name in table.column_names])
+        if self.defer_jpeg:  # the vision stage locates, counts and then drops them (drop_internal_columns)
+            return table
+        return drop_internal_columns(table, self.keep_provenance)
+
+
+def drop_internal_columns(table: pa.Table, keep_provenance: bool) -> pa.Table:
+    """The table without the row's token count and (unless ``keep_provenance``) its provenance columns."""
+    drop = [PROMPT_TOKENS_COLUMN] + ([] if keep_provenance else list(PROVENANCE_COLUMNS))
+    return table.drop_columns([name for name in drop if name in table.column_names])
+
+
+def _row_dict(table: pa.Table, i: int) -> dict | None:
+    """What a quarantine record can show of a row after the tokenize stage: its plain columns."""
+    names = [n for n in table.column_names if not n.startswith("_") and n not in _TENSOR_COLUMNS]
+    names = [n for n in names if n not in (MULTI_MODAL_DATA, MULTI_MODAL_INPUTS)]
+    try:
+        return table.select(names).slice(i, 1).to_pylist()[0]
+    except Exception:
+        return None
 
 
 def _sampled_frames(plan: dict) -> dict:
@@ -172,10 +182,16 @@ def _sampled_frames(plan: dict) -> dict:
 
 def decode_block(stage: DecodeStage, table: pa.Table, ledger=None) -> pa.Table:
     """``stage`` over one block, its counts reported to ``ledger`` once per block (keyed by the block's first row)."""
-    result = stage(table)
-    if table.num_rows:
+    return counted_block(stage, table, ledger, "decode")
+
+
+def counted_block(process, table: pa.Table, ledger, stage: str, skip_empty: bool = False) -> pa.Table:
+    """``process`` (a stage's call giving a ``StageResult``) over one block; its counts go to ``ledger`` once per
+    block, keyed by ``stage`` and the block's first row (``skip_empty``: not when there is nothing to count)."""
+    result = process(table)
+    if table.num_rows and not (skip_empty and result.counts == BatchCounts() and not result.quarantine):
         key = batch_key(table)
-        report_counts(ledger, result.counts, result.quarantine, None if key is None else ("decode", *key))
+        report_counts(ledger, result.counts, result.quarantine, None if key is None else (stage, *key))
     return result.table
 
 
@@ -194,7 +210,8 @@ def limit_torch_threads() -> None:
 
 def decode_jpegs(jpegs: list[bytes], device: str) -> list:
     """JPEG bytes -> (3, H, W) uint8 RGB tensors on ``device``: one batched ``torchvision.io.decode_jpeg`` call
-    (nvJPEG on cuda). Where the device decoder refuses an image, PIL decodes it on the CPU (then uploaded)."""
+    (nvJPEG on cuda). Where the device decoder refuses an image, PIL decodes it on the CPU (then uploaded); where
+    PIL fails too, that image's entry is the exception (the caller makes its row a bad row)."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -207,7 +224,11 @@ def decode_jpegs(jpegs: list[bytes], device: str) -> list:
             try:
                 out.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device))
             except RuntimeError:
-                rgb = decode_rgb(jpeg)[0]
+                try:
+                    rgb = decode_rgb(jpeg)[0]
+                except Exception as exc:
+                    out.append(exc)
+                    continue
                 out.append(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(device))
         return out
 
@@ -223,8 +244,22 @@ def resolve_device(device: str) -> str:
 class VisionStage:
     """``multi_modal_data`` pixels -> ``multi_modal_inputs`` (pixel_values, image_grid_thw) on ``device``."""
 
-    def __init__(self, processor_path: str, device: str = "cpu", return_multi_modal_inputs: bool = True):
+    def __init__(
+        self,
+        processor_path: str,
+        device: str = "cpu",
+        return_multi_modal_inputs: bool = True,
+        *,
+        files: Sequence[str] = (),
+        on_bad_row: str = "raise",
+        image_key: str = "images",
+        keep_provenance: bool = False,
+    ):
         limit_torch_threads()
+        # for rows with JPEGs the decode stage left to this one (vision_decode_jpeg_on_device): bad ones are located,
+        # quarantined or raised here, and the good ones counted out
+        self.files, self.on_bad_row, self.image_key = list(files), on_bad_row, image_key
+        self.keep_provenance = keep_provenance
         self.device = resolve_device(device)
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
@@ -239,6 +274,7 @@ class VisionStage:
     def of_image_processor(cls, image_processor, device: str = "cpu") -> VisionStage:
         """A stage that runs an already loaded transformers image processor (images only)."""
         stage = cls.__new__(cls)
+        stage.files, stage.on_bad_row, stage.image_key, stage.keep_provenance = [], "raise", "images", False
         stage.device = resolve_device(device)
         stage.processor_path = None
         stage.pixels = None
@@ -284,12 +320,22 @@ class VisionStage:
         return out["pixel_values_videos"].float().cpu().numpy(), out["video_grid_thw"].cpu().numpy().astype(np.int64)
 
     def __call__(self, table: pa.Table) -> pa.Table:
+        return self.process(table).table
+
+    def process(self, table: pa.Table) -> StageResult:
+        """The block with ``multi_modal_inputs``, plus the counts and quarantine records of the rows whose JPEGs
+        this stage decoded (the decode stage counted all others)."""
         if MULTI_MODAL_DATA not in table.column_names:
-            return table
-        n = table.num_rows
+            return StageResult(table, BatchCounts())
+        result = StageResult(table, BatchCounts())
         on_device: dict[int, object] = {}
         if DEFERRED_JPEG_COLUMN in table.column_names:
-            table, on_device = self._decode_deferred(table)
+            result, on_device = self._decode_deferred(table)
+        result.table = drop_internal_columns(self._with_inputs(result.table, on_device), self.keep_provenance)
+        return result
+
+    def _with_inputs(self, table: pa.Table, on_device: dict[int, object]) -> pa.Table:
+        n = table.num_rows
         images = rgb_arrays(table.column(MULTI_MODAL_DATA))
         inputs: list[dict] = [{} for _ in range(n)]
         image_inputs = None
@@ -322,27 +368,47 @@ class VisionStage:
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
         return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
 
-    def _decode_deferred(self, table: pa.Table) -> tuple[pa.Table, dict[int, object]]:
+    def _decode_deferred(self, table: pa.Table) -> tuple[StageResult, dict[int, object]]:
         """Decode the JPEGs the decode stage left encoded, in one batched call on ``device`` (nvJPEG through
-        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). Their RGB goes into
-        ``multi_modal_data`` (a copy to the host); the device tensors, by their position among the batch's images,
-        feed the pixel ops without a second upload. Returns the table without ``DEFERRED_JPEG_COLUMN``."""
-        images = contiguous(table.column(MULTI_MODAL_DATA))
-        first = images.offsets[0].as_py()
-        positions, jpegs = [], []
+        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). A row with a JPEG that neither
+        the device decoder nor PIL decodes is a bad row: ``BadRowError`` naming file and row (``on_bad_row:
+        raise``) or a quarantine record. The others' RGB goes into ``multi_modal_data`` (a copy to the host); the
+        device tensors, by their position among the batch's images, feed the pixel ops without a second upload.
+        Returns the table without ``DEFERRED_JPEG_COLUMN`` (and without the bad rows), the counts of the rows that
+        had deferred JPEGs, and the device tensors."""
         deferred = table.column(DEFERRED_JPEG_COLUMN).to_pylist()
-        for start, items in zip(images.offsets.to_pylist(), deferred, strict=False):  # offsets: one more
-            for j, jpeg in enumerate(items or ()):
-                if jpeg is not None:
-                    positions.append(start + j - first)
-                    jpegs.append(jpeg)
         table = table.drop_columns([DEFERRED_JPEG_COLUMN])
-        if not jpegs:
-            return table, {}
-        decoded = decode_jpegs(jpegs, self.device)
+        places = [(i, j) for i, items in enumerate(deferred) for j, jpeg in enumerate(items or ()) if jpeg is not None]
+        if not places:
+            return StageResult(table, BatchCounts()), {}
+        decoded = decode_jpegs([deferred[i][j] for i, j in places], self.device)
+        bad: dict[int, BadRowError] = {}
+        for (i, _), item in zip(places, decoded, strict=True):
+            if isinstance(item, Exception) and i not in bad:
+                reason = f"bad image: {type(item).__name__}: {item}"
+                bad[i] = row_error(self.files, table, i, reason, self.image_key)
+        if bad and self.on_bad_row == "raise":
+            raise bad[min(bad)]
+        rows = sorted({i for i, _ in places} - bad.keys())
+        tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
+        counts = BatchCounts(rows_out=len(rows), quarantined=len(bad), prompt_tokens=int(tokens[rows].sum()))
+        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
+        if bad:
+            kept = [i for i in range(table.num_rows) if i not in bad]
+            new_index = {old: new for new, old in enumerate(kept)}
+            table = table.take(kept)
+            good = [(place, item) for place, item in zip(places, decoded, strict=True) if place[0] in new_index]
+            places = [(new_index[i], j) for (i, j), _ in good]
+            decoded = [item for _, item in good]
+        images = contiguous(table.column(MULTI_MODAL_DATA))
+        offsets, first = images.offsets.to_pylist(), images.offsets[0].as_py()
+        positions = [offsets[i] + j - first for i, j in places]
         host = {p: tensor.permute(1, 2, 0).cpu().numpy() for p, tensor in zip(positions, decoded, strict=True)}
-        table = table.set_column(table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, with_rgb(images, host))
-        return table, dict(zip(positions, decoded, strict=True))
+        if host:
+            table = table.set_column(
+                table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, with_rgb(images, host)
+            )
+        return StageResult(table, counts, quarantine), dict(zip(positions, decoded, strict=True))
 
     def _image_inputs(
         self, images: list, expected_grids: pa.ChunkedArray, on_device: dict | None = None
