@@ -36,8 +36,8 @@ class SFTRenderActor:
 
 
 class SFTVisionActor:
-    def __init__(self, processor: str, device: str = "cpu"):
-        self.stage = SFTVisionStage(resolve_model_path(processor), device)
+    def __init__(self, processor: str, device: str = "cpu", image_key: str = "images"):
+        self.stage = SFTVisionStage(resolve_model_path(processor), device, image_key)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return self.stage(batch)

@@ -186,10 +186,12 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
     text = [b"tEXt", b"comment\x00after the pixels"]
     text_after_pixels = _png_file([*chunks[:-1], text, chunks[-1]])
     unknown_chunk = _png_file([chunks[0], [b"ABCD", b"x"], *chunks[1:]])  # PIL skips it; libspng refuses the file
+    gamma = _png_file([chunks[0], [b"gAMA", (45455).to_bytes(4, "big")], *chunks[1:]])  # neither decoder applies it
     deep = encode_image(Image.fromarray(np.full((30, 40), 300, dtype=np.uint16)), "PNG")  # 16-bit gray
-    assert plain_png(rgb) and plain_png(rgba) and plain_png(unknown_chunk)
+    assert plain_png(rgb) and plain_png(rgba) and plain_png(unknown_chunk) and plain_png(gamma)
     assert not plain_png(text_after_pixels) and not plain_png(deep) and not plain_png(rgb[: len(rgb) // 2])
-    cases = {"rgb": rgb, "rgba": rgba, "text": text_after_pixels, "unknown chunk": unknown_chunk, "deep": deep}
+    cases = {"rgb": rgb, "rgba": rgba, "text": text_after_pixels, "unknown": unknown_chunk, "gamma": gamma}
+    cases["16-bit"] = deep
     for name, data in cases.items():
         ours, theirs = decode_rgb(data), pil(data)
         assert ours[0].dtype == np.uint8 and np.array_equal(ours[0], theirs[0]), name

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ingest import BadRowError, SourceError
+from ingest.errors import find_ingest_error
 from ingest.messages import split_media_placeholders
 from ingest.sft import (
     SFTCollate,
@@ -264,6 +265,26 @@ def test_cut_image_files_are_quarantined_before_the_vision_actor(ray_session, mo
     with pytest.raises(BadRowError) as info:
         _rows(build_sft_dataset(path, model_dir, {**BASE, "on_bad_row": "raise"}, processor=model_dir))
     assert (info.value.file, info.value.row, info.value.column) == (path, 1, "images")
+
+
+@pytest.mark.parametrize("policy", ["quarantine", "raise"])
+def test_image_that_fails_to_decode_in_the_vision_actor_names_its_sample(ray_session, model_dir, tmp_path, policy):
+    """A JPEG complete to its end marker (it passes the render stage's check) whose data do not decode (a stray
+    start-of-image marker mid-scan) fails in the SFT vision actor, in a packed row with other samples: one
+    ``BadRowError`` naming the sample's file and row, in both policies (it used to be a bare error from the actor)."""
+    jpeg = _image(random.Random(2), "jpeg")
+    broken = jpeg[: len(jpeg) // 2] + b"\xff\xd8\x00\x04\x00\x00" + jpeg[len(jpeg) // 2 :]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
+         "images": [{"bytes": data, "path": None}]}
+        for i, data in enumerate([jpeg, jpeg, broken, jpeg])
+    ]  # fmt: skip
+    path = _write(tmp_path / "broken.parquet", rows)
+    config = {**BASE, "on_bad_row": policy, "sft_pack_token_budget": 4096}
+    with pytest.raises(BadRowError) as info:
+        _rows(build_sft_dataset(path, model_dir, config, processor=model_dir))
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (path, 2, "images") and err.reason.startswith("bad image: OSError")
 
 
 # --- images ------------------------------------------------------------------------------------------------------

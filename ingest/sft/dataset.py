@@ -107,7 +107,8 @@ def build_sft_dataset(
     )
     if processor is None:
         return ds
-    return map_on_vision_pool(ds, cfg, SFTVisionActor, {"processor": os.fspath(processor), "device": cfg.vision_device})
+    vision_kwargs = {"processor": os.fspath(processor), "device": cfg.vision_device, "image_key": cfg.image_key}
+    return map_on_vision_pool(ds, cfg, SFTVisionActor, vision_kwargs)
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

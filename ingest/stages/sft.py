@@ -39,9 +39,11 @@ from ingest.vision import TENSOR_STRUCT, decode_rgb, read_image_bytes, tensor_re
 TOOLS_COLUMN = "tools"
 IMAGE_BYTES_COLUMN = "_sft_image_bytes"  # encoded images of the row, in stream order (for the vision stage)
 IMAGE_GRIDS_COLUMN = "_sft_image_grids"  # their header-derived grids (decided the pad counts; checked there)
+IMAGE_SOURCES_COLUMN = "_sft_image_sources"  # the file and row each image came from (packing mixes samples)
+SOURCE_STRUCT = pa.struct([("file", pa.string()), ("row", pa.int64())])
 PLACEHOLDER_STRUCT = pa.struct([("offset", pa.int64()), ("length", pa.int64())])
 GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
-_ENCODED, _GRID = "_encoded", "_grid"  # the item dict of a deferred image: its encoded bytes and grid
+_ENCODED, _GRID, _SOURCE = "_encoded", "_grid", "_source"  # a deferred image: encoded bytes, grid, (file, row)
 _MEDIA_MARKER = re.compile("<image>|<video>")
 
 
@@ -58,6 +60,7 @@ class DeferredPixels:
     def __init__(self, renderer):
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
+        self.source: tuple[str | None, int | None] = (None, None)  # (file, row) of the conversation being rendered
         self.tells_sampled = renderer.tells_sampled
         self.stop_token_id = renderer.stop_token_id
 
@@ -68,7 +71,7 @@ class DeferredPixels:
             if item.outputs is None:
                 if item.data is None:  # a decoded image (PIL / array): cannot come from Parquet
                     raise SFTRenderError("images must be encoded (bytes, an HF Image() struct or a path)")
-                item = replace(item, outputs={_ENCODED: item.data, _GRID: tuple(item.grid)})
+                item = replace(item, outputs={_ENCODED: item.data, _GRID: tuple(item.grid), _SOURCE: self.source})
             media.append(item)
         return replace(rendered, media=media)
 
@@ -209,6 +212,9 @@ class SFTRenderStage:
                 continue
             if images is not None or videos is not None:
                 _split_media_markers(messages)
+            if isinstance(self.renderer, DeferredPixels):  # the vision stage names the sample of an image it fails on
+                located = self._error(table, i, "", cfg.image_key)
+                self.renderer.source = (located.file, located.row)
             try:
                 sample = build_training_sample(
                     self.renderer, messages, role_to_mask=self.role_to_mask, tools=tools, images=images, videos=videos
@@ -258,6 +264,9 @@ class SFTRenderStage:
         columns[IMAGE_GRIDS_COLUMN] = pa.array(
             [None if d is None else [list(it[_GRID]) for it in d.items] for d in images], GRIDS_TYPE
         )
+        columns[IMAGE_SOURCES_COLUMN] = pa.array(
+            [None if d is None else [it[_SOURCE] for it in d.items] for d in images], pa.list_(SOURCE_STRUCT)
+        )
         columns["video_placeholders"] = pa.array(
             [None if d is None else [tuple(p) for p in d.placeholders] for d in videos], pa.list_(PLACEHOLDER_STRUCT)
         )
@@ -304,10 +313,22 @@ class SFTVisionStage:
     """Encoded images of each row -> ``pixel_values`` (patches, dim) float32 and ``image_grid_thw`` (n, 3) int64
     tensor records, through the RL path's ``VisionStage`` on ``device`` (one processor call per batch)."""
 
-    def __init__(self, processor_path: str, device: str = "cpu"):
+    def __init__(self, processor_path: str, device: str = "cpu", image_key: str = "images"):
         from ingest.stages.vision import VisionStage
 
         self.vision = VisionStage(processor_path, device)
+        self.image_key = image_key
+
+    def _decode(self, data: bytes, source: dict | None) -> np.ndarray:
+        """RGB pixels; an image whose data do not decode (its structure was checked when rendering) is one
+        ``BadRowError`` naming the sample's file and row, in both policies: its sample shares a packed row with
+        others, and the render stage has counted it out already."""
+        try:
+            return decode_rgb(data)[0]
+        except Exception as exc:
+            source = source or {}
+            reason = f"bad image: {type(exc).__name__}: {exc}"
+            raise BadRowError(reason, file=source.get("file"), row=source.get("row"), column=self.image_key) from None
 
     def __call__(self, table: pa.Table) -> pa.Table:
         if IMAGE_BYTES_COLUMN not in table.column_names:
@@ -315,9 +336,16 @@ class SFTVisionStage:
         n = table.num_rows
         encoded = table.column(IMAGE_BYTES_COLUMN).to_pylist()
         expected = table.column(IMAGE_GRIDS_COLUMN).to_pylist()
+        sources = table.column(IMAGE_SOURCES_COLUMN).to_pylist() if IMAGE_SOURCES_COLUMN in table.column_names else None
+        table = table.drop_columns([c for c in (IMAGE_SOURCES_COLUMN,) if c in table.column_names])
         values: list[dict | None] = [None] * n
         grids: list[dict | None] = [None] * n
-        flat = [decode_rgb(data)[0] for row in encoded if row for data in row]
+        flat = [
+            self._decode(data, sources[i][k] if sources and sources[i] else None)
+            for i, row in enumerate(encoded)
+            if row
+            for k, data in enumerate(row)
+        ]
         if flat:
             pixel_values, got = self.vision.pixel_values(flat)
             want = [g for row in expected if row for g in row]
