@@ -30,11 +30,8 @@ class VisionActor:
         ledger=None,
         keep_provenance: bool = False,
     ):
-        options = {k: v for k, v in (config or {}).items() if k in ("on_bad_row", "image_key")}
-        path = resolve_model_path(processor)
-        self.stage = VisionStage(
-            path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
-        )
+        path, config = resolve_model_path(processor), config or {}
+        self.stage = VisionStage.from_config(path, device, return_multi_modal_inputs, config, files, keep_provenance)
         self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -40,14 +40,19 @@ class StageResult:
     quarantine: list[dict] = field(default_factory=list)
 
 
-def row_error(files: Sequence[str], table: pa.Table, i: int, reason: str, column: str | None) -> BadRowError:
-    """A ``BadRowError`` for row ``i`` of ``table``, located by its provenance columns and ``files`` (file or row left
-    unset where a table has no provenance or a stage was built without the file list, as when called on its own)."""
+def row_location(files: Sequence[str], table: pa.Table, i: int) -> tuple[str | None, int | None]:
+    """(file, row) of row ``i`` of ``table`` from its provenance columns and ``files`` (None where a table has no
+    provenance or a stage was built without the file list, as when called on its own)."""
     names = table.column_names
     file = table.column(FILE_COLUMN)[i].as_py() if FILE_COLUMN in names else None
     row = table.column(ROW_COLUMN)[i].as_py() if ROW_COLUMN in names else None
-    name = files[file] if file is not None and file < len(files) else None
-    return BadRowError(reason, file=name, row=row, column=column)
+    return (files[file] if file is not None and file < len(files) else None), row
+
+
+def row_error(files: Sequence[str], table: pa.Table, i: int, reason: str, column: str | None) -> BadRowError:
+    """A ``BadRowError`` for row ``i`` of ``table``, located by ``row_location``."""
+    file, row = row_location(files, table, i)
+    return BadRowError(reason, file=file, row=row, column=column)
 
 
 def quarantine_record(error, row: dict | None) -> dict:

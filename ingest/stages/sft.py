@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error, row_location
 from ingest.config import DataConfig
 from ingest.errors import BadRowError
 from ingest.messages import split_media_placeholders
@@ -213,8 +213,7 @@ class SFTRenderStage:
             if images is not None or videos is not None:
                 _split_media_markers(messages)
             if isinstance(self.renderer, DeferredPixels):  # the vision stage names the sample of an image it fails on
-                located = self._error(table, i, "", cfg.image_key)
-                self.renderer.source = (located.file, located.row)
+                self.renderer.source = row_location(self.files, table, i)
             try:
                 sample = build_training_sample(
                     self.renderer, messages, role_to_mask=self.role_to_mask, tools=tools, images=images, videos=videos
@@ -336,8 +335,10 @@ class SFTVisionStage:
         n = table.num_rows
         encoded = table.column(IMAGE_BYTES_COLUMN).to_pylist()
         expected = table.column(IMAGE_GRIDS_COLUMN).to_pylist()
-        sources = table.column(IMAGE_SOURCES_COLUMN).to_pylist() if IMAGE_SOURCES_COLUMN in table.column_names else None
-        table = table.drop_columns([c for c in (IMAGE_SOURCES_COLUMN,) if c in table.column_names])
+        sources = None
+        if IMAGE_SOURCES_COLUMN in table.column_names:
+            sources = table.column(IMAGE_SOURCES_COLUMN).to_pylist()
+            table = table.drop_columns([IMAGE_SOURCES_COLUMN])
         values: list[dict | None] = [None] * n
         grids: list[dict | None] = [None] * n
         flat = [

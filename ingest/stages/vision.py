@@ -271,6 +271,21 @@ class VisionStage:
         self.return_multi_modal_inputs = return_multi_modal_inputs
 
     @classmethod
+    def from_config(
+        cls,
+        processor_path: str,
+        device: str,
+        return_multi_modal_inputs: bool,
+        config: dict,
+        files: Sequence[str],
+        keep_provenance: bool = False,
+    ) -> VisionStage:
+        options = {k: config[k] for k in ("on_bad_row", "image_key") if k in config}
+        return cls(
+            processor_path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
+        )
+
+    @classmethod
     def of_image_processor(cls, image_processor, device: str = "cpu") -> VisionStage:
         """A stage that runs an already loaded transformers image processor (images only)."""
         stage = cls.__new__(cls)
