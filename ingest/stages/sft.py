@@ -212,8 +212,8 @@ class SFTRenderStage:
                 continue
             if images is not None or videos is not None:
                 _split_media_markers(messages)
-            if isinstance(self.renderer, DeferredPixels):  # the vision stage names the sample of an image it fails on
-                self.renderer.source = row_location(self.files, table, i)
+            if images is not None and isinstance(self.renderer, DeferredPixels):
+                self.renderer.source = row_location(self.files, table, i)  # named by the vision stage if it fails
             try:
                 sample = build_training_sample(
                     self.renderer, messages, role_to_mask=self.role_to_mask, tools=tools, images=images, videos=videos
