@@ -35,5 +35,5 @@ class VisionActor:
         self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        # counts only for rows whose JPEGs this stage decoded (vision_decode_jpeg_on_device); none otherwise
+        # counts only for rows whose media this stage decoded (vision_decode_*_on_device); none otherwise
         return counted_block(self.stage.process, batch, self.ledger, "vision", skip_empty=True)

@@ -85,6 +85,9 @@ class DataConfig:
     # baseline JPEGs decode in the vision actors on their device (nvJPEG through torchvision on cuda), not in the
     # decode stage; off by default: nvJPEG's pixels are within a few levels of PIL's, not equal (docs/design.md)
     vision_decode_jpeg_on_device: bool = False
+    # video files decode in the vision actors (torchcodec on the GPU where it loads, else PyAV), not in the decode
+    # stage; off by default: GPU-decoded frames are close to PyAV's, not equal (docs/design.md)
+    vision_decode_video_on_device: bool = False
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # filesystem kwargs (S3 endpoint, keys, ...); repr=False keeps secrets out of a logged config
     storage_options: dict = dataclasses.field(default_factory=dict, repr=False)

@@ -251,14 +251,17 @@ def write_geo3k_parquet(
 VIDEO_FRAME_KINDS = ("png", "jpeg", "rgba", "gray", "wide")
 
 
-def make_video_file(path: str | os.PathLike, frames: int, width: int, height: int, fps: int, seed: int = 0) -> str:
-    """A small MPEG-4 clip (PyAV): a textured frame drifting sideways, so every frame differs."""
+def make_video_file(
+    path: str | os.PathLike, frames: int, width: int, height: int, fps: int, seed: int = 0, faststart: bool = False
+) -> str:
+    """A small MPEG-4 clip (PyAV): a textured frame drifting sideways, so every frame differs. ``faststart``: the
+    index (``moov``) before the frames, so a file cut short still reads as whole from its header."""
     import av
     import numpy as np
 
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):

@@ -19,6 +19,7 @@ values are whole numbers (resized uint8), so blocks carry uint8 and the consumer
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -257,6 +258,44 @@ def decode_video_frames(plan: dict) -> np.ndarray:
     return np.stack([decoded[i] for i in plan["indices"]])
 
 
+@functools.cache
+def torchcodec_loads() -> bool:
+    """Whether torchcodec imports here: it needs FFmpeg's shared libraries and a build that matches this torch (its
+    native libraries raise ``RuntimeError`` / ``OSError`` otherwise, not only ``ImportError``)."""
+    try:
+        import torchcodec.decoders  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def video_file_decoder(device: str) -> str:
+    """Which decoder ``decode_video_file`` uses on ``device``: ``torchcodec`` (NVDEC) on CUDA where torchcodec
+    loads, else ``pyav`` (the decode stage's CPU decoder)."""
+    import torch
+
+    return "torchcodec" if torch.device(device).type == "cuda" and torchcodec_loads() else "pyav"
+
+
+def decode_video_file(data: bytes, indices: list[int], device: str = "cpu"):
+    """The frames at ``indices`` of an encoded video file, as a (T, 3, H, W) uint8 tensor on ``device``.
+
+    On CUDA with torchcodec: its decoder on the device (NVDEC), frames by index after a scan of the file (``exact``
+    seek mode: frame i is the i-th frame in presentation order, as PyAV decodes them). Otherwise PyAV on the CPU,
+    exactly ``decode_video_frames``, then one upload."""
+    import torch
+
+    if video_file_decoder(device) == "torchcodec":
+        from torchcodec.decoders import VideoDecoder
+
+        decoder = VideoDecoder(data, device=device, seek_mode="exact")
+        if indices and max(indices) >= len(decoder):
+            raise ValueError(f"video has fewer frames than its header says ({len(decoder)}, need {max(indices) + 1})")
+        return decoder.get_frames_at(list(indices)).data
+    frames = decode_video_frames({"is_file": True, "data": [data], "indices": list(indices)})
+    return torch.from_numpy(frames).permute(0, 3, 1, 2).to(device)
+
+
 def _to_rgb(image):
     """qwen-vl-utils ``to_rgb``: RGBA composited on white, everything else ``convert("RGB")``."""
     from PIL import Image
@@ -269,10 +308,14 @@ def _to_rgb(image):
 
 
 def resize_frames(frames, height: int, width: int, device: str = "cpu"):
-    """(T, H, W, 3) uint8 -> (T, 3, height, width) uint8 torch tensor: fetch_video's bicubic antialiased resize."""
+    """(T, H, W, 3) uint8 array, or a (T, 3, H, W) uint8 tensor (frames decoded on the device) -> (T, 3, height,
+    width) uint8 torch tensor on ``device``: fetch_video's bicubic antialiased resize."""
     import torch
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional as F
 
-    video = torch.as_tensor(frames).permute(0, 3, 1, 2).to(device)
+    if isinstance(frames, torch.Tensor):
+        video = frames.to(device)
+    else:
+        video = torch.as_tensor(frames).permute(0, 3, 1, 2).to(device)
     return F.resize(video, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)

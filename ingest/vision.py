@@ -31,6 +31,8 @@ PROMPT_TOKENS_COLUMN = "_media_prompt_tokens"
 # JPEGs the decode stage left encoded for the vision stage to decode on its device (vision_decode_jpeg_on_device):
 # per row, one entry per image (null: decoded already); their multi_modal_data records have size and info, no pixels
 DEFERRED_JPEG_COLUMN = "_media_deferred_jpeg"
+# video files the decode stage left encoded for the vision stage (vision_decode_video_on_device)
+DEFERRED_VIDEO_COLUMN = "_media_deferred_videos"
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

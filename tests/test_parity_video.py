@@ -10,6 +10,7 @@ import ray
 import torch
 
 from ingest import build_dataset
+from ingest.errors import BadRowError, find_ingest_error
 from ingest.oracle import oracle_available, run_verl
 from ingest.sample import make_video_file, write_video_parquet
 from ingest.stats import RunLedger
@@ -46,6 +47,122 @@ def test_video_rows_equal_verl(ray_session, model_dir, video_runs, name):
     config = {k: v for k, v in config.items() if k != "cache_dir"}
     ds = build_dataset(files, model_dir, {**config, "shuffle": False}, processor=model_dir)
     assert_same_batches(collect(ds, BATCH), expected["batches"])
+
+
+# video files decoded in the (GPU-scheduled; kernels on the CPU here, so PyAV decodes) vision actor
+_VIDEO_IN_VISION_ACTOR = {
+    "vision_decode_video_on_device": True,
+    "vision_num_gpus": 0.5,
+    "vision_pool_max_size": 1,
+    "vision_device": "cpu",
+}
+
+
+def test_video_files_decoded_by_the_vision_actor_equal_verl(ray_session, model_dir, video_runs):
+    """``vision_decode_video_on_device``: video files skip the decode stage and are decoded in the vision actor; with
+    no CUDA device that is PyAV, the decode stage's decoder: verl's rows."""
+    files, config, expected = video_runs["file"]
+    config = {k: v for k, v in config.items() if k != "cache_dir"}
+    ds = build_dataset(files, model_dir, {**config, "shuffle": False, **_VIDEO_IN_VISION_ACTOR}, processor=model_dir)
+    assert_same_batches(collect(ds, BATCH), expected["batches"])
+
+
+def test_deferred_video_files_give_the_same_block_as_the_decode_stage(model_dir, tmp_path):
+    """In-process: the decode stage leaves video files encoded (frame lists it decodes), the vision stage decodes
+    them; the output block equals the one of the CPU decode stage, byte for byte."""
+    from actors.tokenize import TokenizeActor
+    from ingest.config import DataConfig
+    from ingest.pipeline import plan_input
+    from ingest.read import read_unit
+    from ingest.sources import unify_schemas
+    from ingest.stages.vision import DecodeStage, VisionStage
+    from ingest.vision import DEFERRED_VIDEO_COLUMN
+
+    cfg = DataConfig.from_any({"max_prompt_length": 4096, "shuffle": False})
+    vision = VisionStage(model_dir, "cpu")
+    deferred = decoded = 0
+    for kind, rows in (("file", 6), ("frames", 4)):
+        files = write_video_parquet(tmp_path / kind, rows, kind=kind)
+        plan = plan_input(files, cfg, multimodal=True)
+        schema = unify_schemas(plan.infos)
+        tokenize = TokenizeActor(model_dir, cfg.to_dict(), files, model_dir)
+        for unit in plan.units:
+            for table in tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None)):
+                left = DecodeStage(defer_video=True)(table).table
+                entries = [x for row in left.column(DEFERRED_VIDEO_COLUMN).to_pylist() if row for x in row]
+                deferred += sum(x is not None for x in entries)
+                decoded += sum(x is None for x in entries)  # frame lists: decoded by the decode stage as before
+                assert vision(left).equals(vision(DecodeStage()(table).table))
+    assert deferred >= 6 and decoded >= 4
+
+
+def _cut_video_file(tmp_path):
+    """Rows with a video file whose index reads whole (faststart) but whose frames stop at 60% of the file: the
+    tokenize stage plans it from the header, decoding comes up short."""
+    good = make_video_file(tmp_path / "good.mp4", 24, 64, 64, 10, faststart=True)
+    data = open(good, "rb").read()
+    (tmp_path / "cut.mp4").write_bytes(data[: int(len(data) * 0.6)])
+    rows = [
+        ("<video>fine", [{"video": good}]),
+        ("<video>cut short", [{"video": str(tmp_path / "cut.mp4")}]),
+        ("<video><video>fine, then cut short", [{"video": good}, {"video": str(tmp_path / "cut.mp4")}]),
+        ("<video>fine again", [{"video": good}]),
+    ]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], "videos": videos, "extra_info": {"index": i}}
+            for i, (text, videos) in enumerate(rows)
+        ]
+    )
+    path = str(tmp_path / "cut-videos.parquet")
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.parametrize("place", ["decode stage", "vision actor"])
+def test_video_file_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
+    path = _cut_video_file(tmp_path)
+    ledger = RunLedger.remote()
+    config = {"shuffle": False, **(_VIDEO_IN_VISION_ACTOR if place == "vision actor" else {})}
+    batches = collect(build_dataset(path, model_dir, config, processor=model_dir, ledger=ledger))
+    assert [int(i) for b in batches for i in b["index"]] == [0, 3]
+    assert not any(name.startswith("_") for name in batches[0])
+    counts = ray.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (4, 2, 2)
+    assert counts["prompt_tokens"] == sum(int(m.sum()) for b in batches for m in b["attention_mask"])
+    records = ray.get(ledger.quarantine.remote())
+    assert [(r["file"], r["row"], r["column"]) for r in records] == [(path, 1, "videos"), (path, 2, "videos")]
+    assert all("fewer frames than its header says" in r["reason"] for r in records)
+
+
+def test_video_file_that_fails_to_decode_in_the_vision_actor_raises_naming_file_and_row(
+    ray_session, model_dir, tmp_path
+):
+    path = _cut_video_file(tmp_path)
+    config = {"shuffle": False, "on_bad_row": "raise", **_VIDEO_IN_VISION_ACTOR}
+    with pytest.raises(BadRowError) as info:
+        collect(build_dataset(path, model_dir, config, processor=model_dir))
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (path, 1, "videos") and err.reason.startswith("bad video: ")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_video_decode_is_close_to_pyav(tmp_path):
+    """torchcodec (NVDEC) against PyAV on the same file: never run here (no GPU was lent). The same frames (index and
+    count exact); NVDEC's YUV -> RGB conversion is not FFmpeg's swscale, so pixels are compared within a bound that
+    no GPU run has measured yet: a few levels on average."""
+    from ingest.video import decode_video_file, probe_video, torchcodec_loads, video_file_decoder
+
+    if not torchcodec_loads():
+        pytest.skip("torchcodec does not load here (it needs FFmpeg's libraries and a build for this torch)")
+    assert video_file_decoder("cuda") == "torchcodec"
+    path = make_video_file(tmp_path / "clip.mp4", 40, 96, 64, 10)
+    plan = probe_video({"video": path})
+    cpu = decode_video_file(plan.data[0], plan.indices, "cpu")
+    gpu = decode_video_file(plan.data[0], plan.indices, "cuda")
+    assert gpu.device.type == "cuda" and gpu.shape == cpu.shape and gpu.dtype == torch.uint8
+    diff = (gpu.cpu().int() - cpu.int()).abs().float()
+    assert diff.mean() <= 3.0, f"mean difference {diff.mean():.2f} levels, max {diff.max():.0f}"
 
 
 def test_video_data_covers_the_cases(video_runs):

@@ -31,9 +31,10 @@ from ingest.accounting import (
 )
 from ingest.errors import BadRowError
 from ingest.pixels import ImagePixels
-from ingest.video import decode_video_frames, resize_frames
+from ingest.video import decode_video_file, decode_video_frames, resize_frames
 from ingest.vision import (
     DEFERRED_JPEG_COLUMN,
+    DEFERRED_VIDEO_COLUMN,
     IMAGE_GRIDS_COLUMN,
     IMAGE_STRUCT,
     MEDIA_BYTES_COLUMN,
@@ -59,6 +60,8 @@ MULTI_MODAL_INPUTS = "multi_modal_inputs"
 _TENSOR_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
 VIDEO_FRAMES_COLUMN = "_media_video_frames"  # decoded, sampled frames before the final resize
 _FRAMES_STRUCT = pa.struct([("frames", TENSOR_STRUCT), ("height", pa.int64()), ("width", pa.int64())])
+# a video file left to the vision stage (vision_decode_video_on_device): its bytes and the frames to take
+_DEFERRED_VIDEO_STRUCT = pa.struct([("data", pa.large_binary()), ("indices", pa.list_(pa.int64()))])
 _DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT)), ("video", pa.list_(TENSOR_STRUCT))])
 _INPUTS_TYPE = pa.struct(
     [
@@ -88,19 +91,31 @@ class DecodeStage:
         video_key: str = "videos",
         keep_provenance: bool = False,
         defer_jpeg: bool = False,
+        defer_video: bool = False,
     ):
         self.files = list(files)
         self.on_bad_row = on_bad_row
         self.image_key, self.video_key = image_key, video_key
         self.keep_provenance = keep_provenance
         self.defer_jpeg = defer_jpeg  # leave device-decodable JPEGs encoded for the vision stage (deferrable_jpeg)
+        self.defer_video = defer_video  # leave video files encoded for the vision stage (decode_video_file)
 
     @classmethod
     def from_config(cls, config: dict, files: Sequence[str], keep_provenance: bool = False) -> DecodeStage:
         keys = ("on_bad_row", "image_key", "video_key")
-        defer = bool(config.get("vision_decode_jpeg_on_device", False))
         options = {k: config[k] for k in keys if k in config}
-        return cls(files, keep_provenance=keep_provenance, defer_jpeg=defer, **options)
+        return cls(
+            files,
+            keep_provenance=keep_provenance,
+            defer_jpeg=bool(config.get("vision_decode_jpeg_on_device", False)),
+            defer_video=bool(config.get("vision_decode_video_on_device", False)),
+            **options,
+        )
+
+    @property
+    def defers(self) -> bool:
+        """Whether some media may be left encoded for the vision stage (which then locates and counts their rows)."""
+        return self.defer_jpeg or self.defer_video
 
     def _decode(self, data: bytes) -> tuple[np.ndarray, dict, bytes | None]:
         """(RGB pixels, PIL info, None), or for a JPEG left to the vision stage ((H, W, 0) size, info, its bytes)."""
@@ -125,14 +140,14 @@ class DecodeStage:
                 bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
                 continue
             try:
-                frames[i] = None if plans[i] is None else [_sampled_frames(plan) for plan in plans[i]]
+                frames[i] = None if plans[i] is None else [self._frames(plan) for plan in plans[i]]
             except Exception as exc:
                 bad[i] = self._error(table, i, f"bad video: {type(exc).__name__}: {exc}", self.video_key)
         if bad and self.on_bad_row == "raise":
             raise bad[min(bad)]
         kept = [i for i in range(table.num_rows) if i not in bad]
-        # rows with a JPEG left to the vision stage can still turn out bad there: that stage counts them
-        counted = [i for i in kept if not any(jpeg is not None for *_, jpeg in images[i] or ())]
+        # rows with media left to the vision stage can still turn out bad there: that stage counts them
+        counted = [i for i in kept if not _has_deferred(images[i], frames[i])]
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
         quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
@@ -147,23 +162,57 @@ class DecodeStage:
         if self.defer_jpeg:
             deferred = [None if row is None else [jpeg for *_, jpeg in row] for row in images]
             table = table.append_column(DEFERRED_JPEG_COLUMN, pa.array(deferred, pa.list_(pa.large_binary())))
+        if self.defer_video:
+            deferred = [None if row is None else [video.pop("deferred") for video in row] for row in frames]
+            table = table.append_column(DEFERRED_VIDEO_COLUMN, pa.array(deferred, pa.list_(_DEFERRED_VIDEO_STRUCT)))
         index = table.column_names.index(VIDEO_PLANS_COLUMN)
         table = table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(_FRAMES_STRUCT)))
         return StageResult(self._drop_internal(table), counts, quarantine)
+
+    def _frames(self, plan: dict) -> dict:
+        """One video's ``VIDEO_FRAMES_COLUMN`` record; with ``defer_video`` a file's frames are null and its bytes and
+        frame indices go under ``deferred`` (for ``DEFERRED_VIDEO_COLUMN``)."""
+        if self.defer_video and plan["is_file"]:
+            deferred = {"data": plan["data"][0], "indices": plan["indices"]}
+            return {"frames": None, "height": plan["height"], "width": plan["width"], "deferred": deferred}
+        record = _sampled_frames(plan)
+        return {**record, "deferred": None} if self.defer_video else record
 
     def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
         return row_error(self.files, table, i, reason, column)
 
     def _drop_internal(self, table: pa.Table) -> pa.Table:
-        if self.defer_jpeg:  # the vision stage locates, counts and then drops them (drop_internal_columns)
+        if self.defers:  # the vision stage locates, counts and then drops them (drop_internal_columns)
             return table
         return drop_internal_columns(table, self.keep_provenance)
+
+
+def _has_deferred(images: list | None, videos: list | None) -> bool:
+    """Whether a row has a JPEG or a video file left encoded for the vision stage."""
+    return any(jpeg is not None for *_, jpeg in images or ()) or any(v.get("deferred") for v in videos or ())
 
 
 def drop_internal_columns(table: pa.Table, keep_provenance: bool) -> pa.Table:
     """The table without the row's token count and (unless ``keep_provenance``) its provenance columns."""
     drop = [PROMPT_TOKENS_COLUMN] + ([] if keep_provenance else list(PROVENANCE_COLUMNS))
     return table.drop_columns([name for name in drop if name in table.column_names])
+
+
+def _deferred(table: pa.Table, name: str) -> list:
+    """A deferred-media column's values per row (all None where the block has no such column)."""
+    return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+
+def _places(per_row: list) -> list[tuple[int, int]]:
+    """(row, item) of every non-null item of per-row lists."""
+    return [(i, j) for i, items in enumerate(per_row) for j, item in enumerate(items or ()) if item is not None]
+
+
+def _renumbered(places: list[tuple[int, int]], items: list, kept: list[int]) -> tuple[list[tuple[int, int]], list]:
+    """``places`` and their ``items`` for the rows in ``kept`` only, rows renumbered to their position there."""
+    new_index = {old: new for new, old in enumerate(kept)}
+    pairs = [((new_index[i], j), item) for (i, j), item in zip(places, items, strict=True) if i in new_index]
+    return [place for place, _ in pairs], [item for _, item in pairs]
 
 
 def _row_dict(table: pa.Table, i: int) -> dict | None:
@@ -253,12 +302,14 @@ class VisionStage:
         files: Sequence[str] = (),
         on_bad_row: str = "raise",
         image_key: str = "images",
+        video_key: str = "videos",
         keep_provenance: bool = False,
     ):
         limit_torch_threads()
-        # for rows with JPEGs the decode stage left to this one (vision_decode_jpeg_on_device): bad ones are located,
-        # quarantined or raised here, and the good ones counted out
-        self.files, self.on_bad_row, self.image_key = list(files), on_bad_row, image_key
+        # for rows with media the decode stage left to this one (vision_decode_jpeg_on_device,
+        # vision_decode_video_on_device): bad ones are located, quarantined or raised here, the good ones counted out
+        self.files, self.on_bad_row = list(files), on_bad_row
+        self.image_key, self.video_key = image_key, video_key
         self.keep_provenance = keep_provenance
         self.device = resolve_device(device)
         self.processor_path = processor_path
@@ -280,7 +331,7 @@ class VisionStage:
         files: Sequence[str],
         keep_provenance: bool = False,
     ) -> VisionStage:
-        options = {k: config[k] for k in ("on_bad_row", "image_key") if k in config}
+        options = {k: config[k] for k in ("on_bad_row", "image_key", "video_key") if k in config}
         return cls(
             processor_path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
         )
@@ -289,7 +340,8 @@ class VisionStage:
     def of_image_processor(cls, image_processor, device: str = "cpu") -> VisionStage:
         """A stage that runs an already loaded transformers image processor (images only)."""
         stage = cls.__new__(cls)
-        stage.files, stage.on_bad_row, stage.image_key, stage.keep_provenance = [], "raise", "images", False
+        stage.files, stage.on_bad_row, stage.keep_provenance = [], "raise", False
+        stage.image_key, stage.video_key = "images", "videos"
         stage.device = resolve_device(device)
         stage.processor_path = None
         stage.pixels = None
@@ -344,12 +396,16 @@ class VisionStage:
             return StageResult(table, BatchCounts())
         result = StageResult(table, BatchCounts())
         on_device: dict[int, object] = {}
-        if DEFERRED_JPEG_COLUMN in table.column_names:
-            result, on_device = self._decode_deferred(table)
-        result.table = drop_internal_columns(self._with_inputs(result.table, on_device), self.keep_provenance)
+        video_frames: dict[tuple, object] = {}
+        if DEFERRED_JPEG_COLUMN in table.column_names or DEFERRED_VIDEO_COLUMN in table.column_names:
+            result, on_device, video_frames = self._decode_deferred(table)
+        inputs = self._with_inputs(result.table, on_device, video_frames)
+        result.table = drop_internal_columns(inputs, self.keep_provenance)
         return result
 
-    def _with_inputs(self, table: pa.Table, on_device: dict[int, object]) -> pa.Table:
+    def _with_inputs(
+        self, table: pa.Table, on_device: dict[int, object], video_frames: dict[tuple, object]
+    ) -> pa.Table:
         n = table.num_rows
         images = rgb_arrays(table.column(MULTI_MODAL_DATA))
         inputs: list[dict] = [{} for _ in range(n)]
@@ -358,9 +414,15 @@ class VisionStage:
             image_inputs = self._image_inputs(images, table.column(IMAGE_GRIDS_COLUMN), on_device)
         videos = [None] * n
         for i, row in enumerate(table.column(VIDEO_FRAMES_COLUMN).to_pylist()):
-            if row is not None:
+            if row is not None:  # frames decoded by the decode stage, or here (video_frames: deferred files)
                 videos[i] = [
-                    resize_frames(tensor_from_record(v["frames"]), v["height"], v["width"], self.device) for v in row
+                    resize_frames(
+                        video_frames[i, j] if (i, j) in video_frames else tensor_from_record(v["frames"]),
+                        v["height"],
+                        v["width"],
+                        self.device,
+                    )
+                    for j, v in enumerate(row)
                 ]
         if any(videos) and self.return_multi_modal_inputs:
             self._split(
@@ -383,47 +445,63 @@ class VisionStage:
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
         return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
 
-    def _decode_deferred(self, table: pa.Table) -> tuple[StageResult, dict[int, object]]:
-        """Decode the JPEGs the decode stage left encoded, in one batched call on ``device`` (nvJPEG through
-        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). A row with a JPEG that neither
-        the device decoder nor PIL decodes is a bad row: ``BadRowError`` naming file and row (``on_bad_row:
-        raise``) or a quarantine record. The others' RGB goes into ``multi_modal_data`` (a copy to the host); the
-        device tensors, by their position among the batch's images, feed the pixel ops without a second upload.
-        Returns the table without ``DEFERRED_JPEG_COLUMN`` (and without the bad rows), the counts of the rows that
-        had deferred JPEGs, and the device tensors."""
-        deferred = table.column(DEFERRED_JPEG_COLUMN).to_pylist()
-        table = table.drop_columns([DEFERRED_JPEG_COLUMN])
-        places = [(i, j) for i, items in enumerate(deferred) for j, jpeg in enumerate(items or ()) if jpeg is not None]
-        if not places:
-            return StageResult(table, BatchCounts()), {}
-        decoded = decode_jpegs([deferred[i][j] for i, j in places], self.device)
+    def _decode_deferred(self, table: pa.Table) -> tuple[StageResult, dict[int, object], dict[tuple, object]]:
+        """Decode the media the decode stage left encoded. JPEGs: one batched call on ``device`` (nvJPEG through
+        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). Video files: ``decode_video_file``
+        (torchcodec on cuda where it loads, else PyAV). A row with a JPEG that neither the device decoder nor PIL
+        decodes, or a video that does not decode, is a bad row: ``BadRowError`` naming file and row (``on_bad_row:
+        raise``) or a quarantine record. The JPEGs' RGB goes into ``multi_modal_data`` (a copy to the host); the device
+        tensors, by their position among the batch's images, feed the pixel ops without a second upload; the videos'
+        frames stay on the device for the resize, keyed (row, video). Returns the table without the deferred columns
+        (and without the bad rows), the counts of the rows that had deferred media, and the two sets of tensors."""
+        jpegs = _deferred(table, DEFERRED_JPEG_COLUMN)
+        videos = _deferred(table, DEFERRED_VIDEO_COLUMN)
+        table = table.drop_columns(
+            [c for c in (DEFERRED_JPEG_COLUMN, DEFERRED_VIDEO_COLUMN) if c in table.column_names]
+        )
+        jpeg_places = _places(jpegs)
+        video_places = _places(videos)
+        if not jpeg_places and not video_places:
+            return StageResult(table, BatchCounts()), {}, {}
+        decoded = decode_jpegs([jpegs[i][j] for i, j in jpeg_places], self.device) if jpeg_places else []
+        frames = [self._decode_video(videos[i][j]) for i, j in video_places]
         bad: dict[int, BadRowError] = {}
-        for (i, _), item in zip(places, decoded, strict=True):
-            if isinstance(item, Exception) and i not in bad:
-                reason = f"bad image: {type(item).__name__}: {item}"
-                bad[i] = row_error(self.files, table, i, reason, self.image_key)
+        for places, items, what, column in (
+            (jpeg_places, decoded, "image", self.image_key),
+            (video_places, frames, "video", self.video_key),
+        ):
+            for (i, _), item in zip(places, items, strict=True):
+                if isinstance(item, Exception) and i not in bad:
+                    reason = f"bad {what}: {type(item).__name__}: {item}"
+                    bad[i] = row_error(self.files, table, i, reason, column)
         if bad and self.on_bad_row == "raise":
             raise bad[min(bad)]
-        rows = sorted({i for i, _ in places} - bad.keys())
+        rows = sorted({i for i, _ in jpeg_places + video_places} - bad.keys())
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(rows), quarantined=len(bad), prompt_tokens=int(tokens[rows].sum()))
         quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
         if bad:
             kept = [i for i in range(table.num_rows) if i not in bad]
-            new_index = {old: new for new, old in enumerate(kept)}
             table = table.take(kept)
-            good = [(place, item) for place, item in zip(places, decoded, strict=True) if place[0] in new_index]
-            places = [(new_index[i], j) for (i, j), _ in good]
-            decoded = [item for _, item in good]
+            jpeg_places, decoded = _renumbered(jpeg_places, decoded, kept)
+            video_places, frames = _renumbered(video_places, frames, kept)
         images = contiguous(table.column(MULTI_MODAL_DATA))
         offsets, first = images.offsets.to_pylist(), images.offsets[0].as_py()
-        positions = [offsets[i] + j - first for i, j in places]
+        positions = [offsets[i] + j - first for i, j in jpeg_places]
         host = {p: tensor.permute(1, 2, 0).cpu().numpy() for p, tensor in zip(positions, decoded, strict=True)}
         if host:
             table = table.set_column(
                 table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, with_rgb(images, host)
             )
-        return StageResult(table, counts, quarantine), dict(zip(positions, decoded, strict=True))
+        on_device = dict(zip(positions, decoded, strict=True))
+        return StageResult(table, counts, quarantine), on_device, dict(zip(video_places, frames, strict=True))
+
+    def _decode_video(self, deferred: dict):
+        """A deferred video's sampled frames, (T, 3, H, W) uint8 on ``device``, or the exception that stopped them."""
+        try:
+            return decode_video_file(deferred["data"], deferred["indices"], self.device)
+        except Exception as exc:
+            return exc
 
     def _image_inputs(
         self, images: list, expected_grids: pa.ChunkedArray, on_device: dict | None = None
