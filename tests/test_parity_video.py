@@ -119,11 +119,18 @@ def _cut_video_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("place", ["decode stage", "vision actor"])
+_VIDEO_DECODE_PLACES = {
+    "decode stage": {},
+    "vision actor": _VIDEO_IN_VISION_ACTOR,
+    "vision actor, no decode pool": {**_VIDEO_IN_VISION_ACTOR, "decode_pool_max_size": 0},
+}
+
+
+@pytest.mark.parametrize("place", list(_VIDEO_DECODE_PLACES))
 def test_video_file_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
     path = _cut_video_file(tmp_path)
     ledger = RunLedger.remote()
-    config = {"shuffle": False, **(_VIDEO_IN_VISION_ACTOR if place == "vision actor" else {})}
+    config = {"shuffle": False, **_VIDEO_DECODE_PLACES[place]}
     batches = collect(build_dataset(path, model_dir, config, processor=model_dir, ledger=ledger))
     assert [int(i) for b in batches for i in b["index"]] == [0, 3]
     assert not any(name.startswith("_") for name in batches[0])
