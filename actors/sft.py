@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pyarrow as pa
 
 from ingest.config import DataConfig
+from ingest.memory import use_arrow_memory_pool
 from ingest.models import ChatTokenizer
 from ingest.offline import resolve_model_path
 from ingest.sft.render import create_renderer
@@ -25,6 +26,7 @@ class SFTRenderActor:
         role_to_mask: Callable | None = None,
     ):
         cfg = DataConfig(**config)
+        use_arrow_memory_pool(cfg.arrow_memory_pool)
         chat = ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code)
         renderer = create_renderer(chat, processor)  # the processor path: geometry from its JSON, no transformers
         self.stage = SFTRenderStage(renderer, cfg, files, media=processor is not None, role_to_mask=role_to_mask)

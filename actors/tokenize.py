@@ -8,6 +8,7 @@ from functools import partial
 import pyarrow as pa
 
 from ingest.config import DataConfig
+from ingest.memory import use_arrow_memory_pool
 from ingest.models import ChatTokenizer
 from ingest.offline import resolve_model_path
 from ingest.stages.tokenize import PromptTokenizeStage
@@ -27,6 +28,7 @@ class TokenizeActor:
         decode: bool = False,
     ):
         cfg = DataConfig(**config)
+        use_arrow_memory_pool(cfg.arrow_memory_pool)
         vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
         chat = ChatTokenizer(tokenizer, trust_remote_code=cfg.trust_remote_code)
         self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)

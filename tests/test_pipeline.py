@@ -172,6 +172,34 @@ print(heavy)
 """
 
 
+@ray.remote(max_calls=1)  # a new worker process each call: the pool setting is per process
+def _arrow_pool_in_a_new_actor(actor: str, config: dict, model_dir: str) -> tuple[str, str]:
+    import pyarrow as pa
+
+    from actors import DecodeActor, TokenizeActor
+
+    before = pa.default_memory_pool().backend_name
+    if actor == "tokenize":
+        TokenizeActor(model_dir, config, [], model_dir)
+    else:
+        DecodeActor(config, [])
+    return before, pa.default_memory_pool().backend_name
+
+
+@pytest.mark.parametrize("actor", ["tokenize", "decode"])
+def test_actors_set_the_configured_arrow_memory_pool(ray_session, model_dir, actor):
+    """``arrow_memory_pool``: the system allocator by default in the actors' processes (Arrow's wheels default to
+    mimalloc, slower here: ingest/memory.py); ``default`` leaves Arrow's choice."""
+    runs = [
+        _arrow_pool_in_a_new_actor.remote(actor, DataConfig(**kw).to_dict(), model_dir)
+        for kw in ({}, {"arrow_memory_pool": "jemalloc"}, {"arrow_memory_pool": "default"})
+    ]
+    (arrow_default, system), (_, jemalloc), (_, untouched) = ray.get(runs)
+    assert (system, jemalloc, untouched) == ("system", "jemalloc", arrow_default)
+    with pytest.raises(ValueError, match="arrow_memory_pool"):
+        DataConfig(arrow_memory_pool="tcmalloc")
+
+
 def test_an_actor_module_imports_its_stage_only():
     """Unpickling a decode / vision actor class imports ``actors.vision``: with the packages' lazy exports that pulls
     in neither the tokenizer's Jinja nor the pipeline or SFT modules; the public names still resolve."""
