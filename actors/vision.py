@@ -6,14 +6,14 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 
-from ingest.memory import use_arrow_memory_pool
+from ingest.memory import DEFAULT_ARROW_MEMORY_POOL, use_arrow_memory_pool
 from ingest.offline import resolve_model_path
 from ingest.stages.vision import DecodeStage, VisionStage, counted_block, decode_block
 
 
 class DecodeActor:
     def __init__(self, config: dict, files: Sequence[str], ledger=None, keep_provenance: bool = False):
-        use_arrow_memory_pool(config.get("arrow_memory_pool", "system"))
+        use_arrow_memory_pool(config.get("arrow_memory_pool", DEFAULT_ARROW_MEMORY_POOL))
         self.stage = DecodeStage.from_config(config, files, keep_provenance)
         self.ledger = ledger
 
@@ -33,7 +33,7 @@ class VisionActor:
         keep_provenance: bool = False,
     ):
         path, config = resolve_model_path(processor), config or {}
-        use_arrow_memory_pool(config.get("arrow_memory_pool", "system"))
+        use_arrow_memory_pool(config.get("arrow_memory_pool", DEFAULT_ARROW_MEMORY_POOL))
         self.stage = VisionStage.from_config(path, device, return_multi_modal_inputs, config, files, keep_provenance)
         self.ledger = ledger
 

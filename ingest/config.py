@@ -7,10 +7,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ingest.memory import ARROW_MEMORY_POOLS, DEFAULT_ARROW_MEMORY_POOL
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
-ARROW_MEMORY_POOLS = ("system", "mimalloc", "jemalloc", "default")
 
 # Keys of a verl ``data:`` section that the 0.5.0 dataset does not read (the trainer or sampler does). Accepted so a
 # verl config works unchanged; they have no effect here.
@@ -93,7 +94,7 @@ class DataConfig:
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system measured ~20% less CPU for read + tokenize + decode
     # on a 2-core VM, where mimalloc's fresh huge pages cost more than it saves (docs/design.md)
-    arrow_memory_pool: str = "system"
+    arrow_memory_pool: str = DEFAULT_ARROW_MEMORY_POOL
     # filesystem kwargs (S3 endpoint, keys, ...); repr=False keeps secrets out of a logged config
     storage_options: dict = dataclasses.field(default_factory=dict, repr=False)
     trust_remote_code: bool = False

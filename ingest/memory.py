@@ -12,9 +12,11 @@ from __future__ import annotations
 import pyarrow as pa
 
 _POOLS = {"system": pa.system_memory_pool, "mimalloc": pa.mimalloc_memory_pool, "jemalloc": pa.jemalloc_memory_pool}
+ARROW_MEMORY_POOLS = (*_POOLS, "default")
+DEFAULT_ARROW_MEMORY_POOL = "system"
 
 
-def use_arrow_memory_pool(name: str) -> None:
+def use_arrow_memory_pool(name: str = DEFAULT_ARROW_MEMORY_POOL) -> None:
     """Make ``name`` (``system``, ``mimalloc``, ``jemalloc``) Arrow's default memory pool in this process;
     ``default`` leaves Arrow's choice. Buffers allocated before keep their own pool."""
     if name != "default":
