@@ -52,3 +52,18 @@ def moto_s3():
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+def write_media_rows(path, rows: list[tuple[str, list]], column: str = "images") -> str:
+    """Parquet of (user prompt, media) rows, the media in ``column``, ``extra_info.index`` numbering them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], column: media, "extra_info": {"index": i}}
+            for i, (text, media) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+    return str(path)

@@ -17,7 +17,7 @@ from ingest.oracle import oracle_available, run_verl
 from ingest.sample import IMAGE_KINDS, encode_image, make_image, write_geo3k_parquet
 from ingest.stats import RunLedger
 from tests.conftest import collect
-from tests.helpers import assert_same_batches
+from tests.helpers import assert_same_batches, write_media_rows
 
 CONFIGS = [
     {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},
@@ -368,18 +368,6 @@ def _png(kind="png", seed=0):
     return encode_image(*make_image(kind, random.Random(seed)))
 
 
-def _write_media_rows(path, rows: list[tuple[str, list[dict]]]) -> str:
-    """Parquet of (user prompt, images) rows, ``extra_info.index`` numbering them."""
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "images": images, "extra_info": {"index": i}}
-            for i, (text, images) in enumerate(rows)
-        ]
-    )
-    pq.write_table(table, path)
-    return str(path)
-
-
 def _bad_media_file(path):
     good = {"bytes": _png(), "path": None}
     rows = [
@@ -391,7 +379,7 @@ def _bad_media_file(path):
         ("no placeholder", [good]),
         ("<image>fine again", [good]),
     ]
-    return _write_media_rows(path, rows)
+    return write_media_rows(path, rows)
 
 
 def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
@@ -436,7 +424,7 @@ def _truncated_media_file(path):
         ("<image><image>second one truncated", [{"bytes": png, "path": None}, {"bytes": png[:200], "path": None}]),
         ("<image>fine again", [{"bytes": png, "path": None}]),
     ]
-    return _write_media_rows(path, rows)
+    return write_media_rows(path, rows)
 
 
 def _broken_jpeg_file(path):
@@ -450,7 +438,7 @@ def _broken_jpeg_file(path):
         ("<image><image>a png, then a broken jpeg", [{"bytes": png, "path": None}, {"bytes": broken, "path": None}]),
         ("<image>fine again", [{"bytes": jpeg, "path": None}]),
     ]
-    return _write_media_rows(path, rows)
+    return write_media_rows(path, rows)
 
 
 _CPU_KERNELS = {"vision_device": "cpu"}

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -16,7 +14,7 @@ from ingest.sample import make_video_file, write_video_parquet
 from ingest.stats import RunLedger
 from ingest.video import frame_indices, smart_nframes, video_size
 from tests.conftest import collect
-from tests.helpers import assert_same_batches
+from tests.helpers import assert_same_batches, write_media_rows
 
 BATCH = 4
 # (dataset kind, with images, config): the 700-token limit filters the two-video rows of the frame-list data
@@ -108,15 +106,7 @@ def _cut_video_file(tmp_path):
         ("<video><video>fine, then cut short", [{"video": good}, {"video": str(tmp_path / "cut.mp4")}]),
         ("<video>fine again", [{"video": good}]),
     ]
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "videos": videos, "extra_info": {"index": i}}
-            for i, (text, videos) in enumerate(rows)
-        ]
-    )
-    path = str(tmp_path / "cut-videos.parquet")
-    pq.write_table(table, path)
-    return path
+    return write_media_rows(tmp_path / "cut-videos.parquet", rows, "videos")
 
 
 _VIDEO_DECODE_PLACES = {
@@ -215,15 +205,7 @@ def _bad_video_file(tmp_path):
         ("<video><video>two placeholders", [{"video": good}]),
         ("<video>fine again", [{"video": good}]),
     ]
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "videos": videos, "extra_info": {"index": i}}
-            for i, (text, videos) in enumerate(rows)
-        ]
-    )
-    path = tmp_path / "bad-videos.parquet"
-    pq.write_table(table, path)
-    return str(path)
+    return write_media_rows(tmp_path / "bad-videos.parquet", rows, "videos")
 
 
 def test_bad_videos_are_quarantined_and_counted(ray_session, model_dir, tmp_path):
@@ -257,15 +239,8 @@ def test_video_frame_that_fails_to_decode_is_quarantined(ray_session, model_dir,
         frames.append(tmp_path / f"frame-{k}.png")
         frames[-1].write_bytes(data[: len(data) // 2] if k == 2 else data)
     good = [str(f) for i, f in enumerate(frames) if i != 2] + [str(frames[0])]
-    rows = [("<video>fine", good), ("<video>third frame truncated", [str(f) for f in frames])]
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], "videos": [{"video": video}], "extra_info": {"index": i}}
-            for i, (text, video) in enumerate(rows)
-        ]
-    )
-    path = str(tmp_path / "frames.parquet")
-    pq.write_table(table, path)
+    rows = [("<video>fine", [{"video": good}]), ("<video>third frame truncated", [{"video": [str(f) for f in frames]}])]
+    path = write_media_rows(tmp_path / "frames.parquet", rows, "videos")
     ledger = RunLedger.remote()
     batches = collect(build_dataset(path, model_dir, {"shuffle": False}, processor=model_dir, ledger=ledger))
     assert [int(i) for b in batches for i in b["index"]] == [0]
