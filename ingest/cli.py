@@ -123,9 +123,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
         return 0
     if args.kind == "vision":  # images/s of the vision pool alone: 2-core CPU pool vs a GPU actor (default 1000)
-        from ingest.vision_bench import bench_vision
+        from ingest.vision_bench import SHARED_GPU_ACTORS, bench_vision
 
-        print(json.dumps(bench_vision(rows=(args.rows or [1000])[0], work_dir=args.work_dir), indent=2))
+        result = bench_vision(
+            rows=(args.rows or [1000])[0],
+            work_dir=args.work_dir,
+            passes=args.passes,
+            gpu_actors=tuple(args.gpu_actors or SHARED_GPU_ACTORS),
+        )
+        print(json.dumps(result, indent=2))
         return 0
     if args.kind == "mm":
         result = bench_mm(
@@ -169,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
+    bench.add_argument(
+        "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"
+    )
     bench.add_argument(
         "--warm-workers",
         action="store_true",

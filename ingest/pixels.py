@@ -99,19 +99,65 @@ class ImagePixels:
         counts = grids.prod(axis=1)
         out = torch.empty((int(counts.sum()), 3, p, p), dtype=torch.uint8, device=device)
         start = 0
-        for image, (_, gh, gw), count in zip(images, grids.tolist(), counts.tolist(), strict=True):
-            if isinstance(image, np.ndarray):
-                with warnings.catch_warnings():  # a read-only view of the block: only read (resize makes a new one)
-                    warnings.simplefilter("ignore", UserWarning)
-                    pixels = torch.from_numpy(np.ascontiguousarray(image)).to(device).permute(2, 0, 1)
-            else:  # (3, H, W) uint8, decoded on the device already
-                pixels = image.to(device)
+        for pixels, (_, gh, gw), count in zip(
+            device_images(images, device), grids.tolist(), counts.tolist(), strict=True
+        ):
             resized = resize_bicubic(pixels[None], gh * p, gw * p, native_uint8)
             # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P), the processor's patch order
             source = resized.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
             out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
             start += count
         return out, grids
+
+
+def device_images(images: list, device: str, one_copy: bool | None = None) -> list:
+    """(H, W, 3) uint8 arrays (or (3, H, W) uint8 tensors) -> (3, H, W) uint8 tensors on ``device``. Arrays that are
+    views of one buffer (``rgb_arrays`` of a block: every image's pixels in the block's one binary buffer) go to an
+    accelerator in one copy of the span they cover, each image then a view of it: one transfer per batch instead of
+    one synchronous transfer per image. ``one_copy``: whether to look for that span (default: off the CPU)."""
+    import torch
+
+    arrays = [k for k, image in enumerate(images) if isinstance(image, np.ndarray)]
+    out = list(images)
+    if one_copy is None:
+        one_copy = torch.device(device).type != "cpu"
+    span = _shared_span([images[k] for k in arrays]) if one_copy and arrays else None
+    with warnings.catch_warnings():  # read-only views of the block: only read (the resize makes new tensors)
+        warnings.simplefilter("ignore", UserWarning)
+        if span is not None:
+            buffer, offsets = span
+            uploaded = torch.from_numpy(buffer).to(device)
+            for k, offset in zip(arrays, offsets, strict=True):
+                h, w, _ = images[k].shape
+                out[k] = uploaded[offset : offset + h * w * 3].view(h, w, 3).permute(2, 0, 1)
+            arrays = []
+        for k in arrays:
+            out[k] = torch.from_numpy(np.ascontiguousarray(images[k])).to(device).permute(2, 0, 1)
+    return [image.to(device) for image in out]
+
+
+def _shared_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]] | None:
+    """(the one 1-D uint8 buffer all of ``arrays`` are C-contiguous views of, cut to the bytes they cover, each
+    array's byte offset in it), or None where they are not such views or cover less than half of the span."""
+    roots = {id(_root(a)) for a in arrays}
+    if len(roots) != 1 or not all(a.dtype == np.uint8 and a.flags.c_contiguous for a in arrays):
+        return None
+    root = _root(arrays[0])
+    if root.ndim != 1 or root.dtype != np.uint8:
+        return None
+    base = root.__array_interface__["data"][0]
+    starts = [a.__array_interface__["data"][0] - base for a in arrays]
+    lo, hi = min(starts), max(s + a.nbytes for s, a in zip(starts, arrays, strict=True))
+    if 2 * sum(a.nbytes for a in arrays) < hi - lo:  # sparse views: copying the span would move mostly other bytes
+        return None
+    return root[lo:hi], [s - lo for s in starts]
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    """The array that owns (or first wraps) the memory ``array`` views."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
 
 
 def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], temporal_patch_size: int):
@@ -149,15 +195,16 @@ def resize_bicubic(images, height: int, width: int, native_uint8: bool | None = 
     horizontal then vertical, each clamped and rounded to uint8 values as the uint8 kernel stores its intermediate
     image: within 2 levels of it (one float pass, torchvision's GPU path, is up to ~20 levels off at sharp edges)."""
     import torch
-    from torch.nn.functional import interpolate
 
+    # the kernel F.interpolate(mode="bicubic", antialias=True, align_corners=False, size=...) calls, without its
+    # Python argument checks (~15 us a call on this VM's CPU: on a GPU, where the host only launches, that counts)
+    interpolate = torch.ops.aten._upsample_bicubic2d_aa
     if tuple(images.shape[-2:]) == (height, width):
         return images
     if native_uint8 if native_uint8 is not None else images.device.type == "cpu":
-        return interpolate(images, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+        return interpolate(images, [height, width], False)
     resized = images.float()
     for size in ([resized.shape[-2], width], [height, width]):
         if list(resized.shape[-2:]) != size:
-            resized = interpolate(resized, size=size, mode="bicubic", align_corners=False, antialias=True)
-            resized = resized.clamp_(min=0, max=255).round_()
+            resized = interpolate(resized, size, False).clamp_(min=0, max=255).round_()
     return resized.to(torch.uint8)

@@ -4,11 +4,15 @@ The issue's GPU target compares the vision pool on a GPU with the 2-core CPU poo
 rows (``bench mm``'s data) tokenized and decoded in this process beforehand, put in the object store. Each pool is a
 set of Ray actors hosting ``VisionStage`` (the vision pool's code), warmed up with one block each; then every block
 goes through the pool round-robin (at most two calls in flight per actor) and the output blocks are written to the
-object store, as Ray Data's pool writes them. Clock: from the first submit to the last output; start-up is not on it.
+object store, as Ray Data's pool writes them; ``passes`` > 1 sends the blocks that many times (a GPU pool gets through
+1,000 rows in a fraction of a second, too short to time alone). Clock: from the first submit to the last output;
+start-up is not on it.
 
 - ``cpu``: 2 actors x 1 CPU on ``device="cpu"`` (torch on one thread each: the 2-core CPU pool),
 - ``cuda``: 1 actor x 1 GPU on ``device="cuda"`` (skipped without a CUDA device); ``cuda+jpeg``: the same with
-  ``vision_decode_jpeg_on_device`` (its blocks keep the JPEGs encoded, so the actor decodes them with nvJPEG).
+  ``vision_decode_jpeg_on_device`` (its blocks keep the JPEGs encoded, so the actor decodes them with nvJPEG);
+  ``cuda x2`` / ``cuda x4``: 2 actors x 0.5 GPU (the CPU pool's 2 host cores) / 4 actors x 0.25 GPU sharing the
+  device (fractional GPUs: one actor's host-side work, launching kernels and Arrow in and out, overlaps the others').
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ import pyarrow as pa
 
 CPU_POOL = {"actors": 2, "num_cpus": 1, "num_gpus": 0, "device": "cpu"}
 GPU_POOL = {"actors": 1, "num_cpus": 1, "num_gpus": 1, "device": "cuda"}
+SHARED_GPU_ACTORS = (2, 4)  # the default ``cuda xK`` pools
+
+
+def shared_gpu_pool(actors: int) -> dict:
+    """``actors`` vision actors on one GPU, each with 1 CPU and ``1 / actors`` of the GPU (in Ray's 1e-4 units)."""
+    return {"actors": actors, "num_cpus": 1, "num_gpus": (10_000 // actors) / 10_000, "device": "cuda"}
 
 
 def decoded_blocks(files: list[str], model: str, defer_jpeg: bool = False) -> list[pa.Table]:
@@ -67,8 +77,11 @@ def _vision_actor(num_cpus: float, num_gpus: float):
     return VisionBenchActor
 
 
-def time_pool(blocks: list, model: str, actors: int, num_cpus: float, num_gpus: float, device: str) -> dict:
-    """Images/s of ``actors`` vision actors over ``blocks`` (object refs), after one warm-up block per actor."""
+def time_pool(
+    blocks: list, model: str, actors: int, num_cpus: float, num_gpus: float, device: str, passes: int = 1
+) -> dict:
+    """Seconds of ``actors`` vision actors over ``blocks`` (object refs) ``passes`` times, after one warm-up block
+    per actor."""
     import ray
 
     cls = _vision_actor(num_cpus, num_gpus)
@@ -76,7 +89,7 @@ def time_pool(blocks: list, model: str, actors: int, num_cpus: float, num_gpus: 
     ray.get([actor.run.remote(blocks[k % len(blocks)]) for k, actor in enumerate(pool)])  # warm-up
     started = time.perf_counter()
     pending: list = []
-    for k, block in enumerate(blocks):
+    for k, block in enumerate(blocks * passes):
         if len(pending) >= 2 * actors:
             done, pending = ray.wait(pending, num_returns=1)
         pending.append(pool[k % actors].run.remote(block))
@@ -84,11 +97,18 @@ def time_pool(blocks: list, model: str, actors: int, num_cpus: float, num_gpus: 
     seconds = time.perf_counter() - started
     for actor in pool:
         ray.kill(actor)
-    return {"seconds": round(seconds, 3), "actors": actors, "device": device}
+    return {"seconds": round(seconds, 3), "actors": actors, "num_gpus": num_gpus, "device": device, "passes": passes}
 
 
-def bench_vision(rows: int = 1000, work_dir: str | None = None, gpu: bool | None = None) -> dict:
-    """The CPU pool, then (with a CUDA device, or ``gpu=True``) the GPU actor with and without device JPEG decode."""
+def bench_vision(
+    rows: int = 1000,
+    work_dir: str | None = None,
+    gpu: bool | None = None,
+    passes: int = 1,
+    gpu_actors: tuple[int, ...] = SHARED_GPU_ACTORS,
+) -> dict:
+    """The CPU pool, then (with a CUDA device, or ``gpu=True``) the GPU actor with and without device JPEG decode,
+    and ``gpu_actors`` actors sharing the GPU; every pool goes over the blocks ``passes`` times."""
     import ray
     import torch
 
@@ -103,6 +123,7 @@ def bench_vision(rows: int = 1000, work_dir: str | None = None, gpu: bool | None
     runs = [("cpu", CPU_POOL, False)]
     if gpu:
         runs += [("cuda", GPU_POOL, False), ("cuda+jpeg", GPU_POOL, True)]
+        runs += [(f"cuda x{k}", shared_gpu_pool(k), False) for k in gpu_actors]
     ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     result = {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
@@ -119,14 +140,16 @@ def bench_vision(rows: int = 1000, work_dir: str | None = None, gpu: bool | None
                 inputs[defer] = [ray.put(b) for b in blocks], sum(image_count(b) for b in blocks)
                 del blocks
             refs, images = inputs[defer]
-            timing = time_pool(refs, model, **pool)
-            result["pools"][name] = {**timing, "images": images, "images_per_s": round(images / timing["seconds"], 1)}
+            timing = time_pool(refs, model, **pool, passes=passes)
+            processed = images * passes
+            per_s = round(processed / timing["seconds"], 1)
+            result["pools"][name] = {**timing, "images": processed, "images_per_s": per_s}
             print(name, result["pools"][name], flush=True)
     finally:
         ray.shutdown()
     cpu = result["pools"]["cpu"]["images_per_s"]
-    for name in ("cuda", "cuda+jpeg"):
-        if name in result["pools"]:
+    for name in result["pools"]:
+        if name != "cpu":
             result[f"ratio_{name}_vs_cpu"] = round(result["pools"][name]["images_per_s"] / cpu, 2)
     if not gpu:
         result["note"] = "no CUDA device here: the CPU pool only (run on a GPU machine for the GPU figures)"

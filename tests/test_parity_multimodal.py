@@ -201,8 +201,9 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
-    """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo: never run here (no GPU was lent); the bounds are
-    generous guesses (a different IDCT and chroma upsampling), the grids and ids must be equal."""
+    """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo (a different IDCT and chroma upsampling): the grids
+    and ids equal, the pixels close. Measured on an H200 (torch 2.11, torchvision 0.26, 2026-11-26): 7 of the JPEGs
+    differ, by 3.3-3.9 levels on average per image and 74 at most (sharp colour edges); the bounds leave a margin."""
     gpu_config = {"vision_num_gpus": 1, "vision_device": "cuda", "vision_decode_jpeg_on_device": True}
     gpu = _ours(geo3k_files, model_dir, {**CONFIGS[0], **gpu_config})
     cpu = _ours(geo3k_files, model_dir, CONFIGS[0])
@@ -212,10 +213,10 @@ def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
             for p, q in zip(x["image"], y["image"], strict=True):
                 assert p.size == q.size and p.mode == q.mode == "RGB"
                 difference = np.abs(np.asarray(p, dtype=np.int16) - np.asarray(q, dtype=np.int16))
-                assert difference.mean() < 2 and difference.max() <= 64
+                assert difference.mean() < 6 and difference.max() <= 96
         for x, y in zip(a["multi_modal_inputs"], b["multi_modal_inputs"], strict=True):
             assert torch.equal(x["image_grid_thw"], y["image_grid_thw"])
-            assert (x["pixel_values"] - y["pixel_values"]).abs().mean() < 0.05
+            assert (x["pixel_values"] - y["pixel_values"]).abs().mean() < 0.1  # ~7 levels / std
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -333,6 +334,31 @@ def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
     difference = np.abs(cpu - device_path)
     assert difference.max() <= pixels.device_tolerance()
     assert (difference > 1e-4).mean() < 0.01  # off only where a value sits near a rounding edge
+
+
+def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
+    """Images that view one buffer become views of one uploaded tensor (one transfer per batch); others, and
+    tensors already on the device, go as they are. A decoded block's images are such views."""
+    from ingest.pixels import _shared_span, device_images
+    from ingest.vision import rgb_arrays
+    from ingest.vision_bench import decoded_blocks
+
+    rgbs = _sample_rgbs()
+    buffer = np.concatenate([rgb.reshape(-1) for rgb in rgbs])
+    ends = np.cumsum([rgb.size for rgb in rgbs])
+    views = [buffer[end - rgb.size : end].reshape(rgb.shape) for rgb, end in zip(rgbs, ends, strict=True)]
+    on_device = torch.zeros((3, 5, 7), dtype=torch.uint8)
+    uploaded = device_images([*views, on_device], "cpu", one_copy=True)
+    assert uploaded[-1] is on_device
+    for tensor, rgb in zip(uploaded, rgbs, strict=False):
+        assert torch.equal(tensor, torch.from_numpy(rgb).permute(2, 0, 1))
+    assert len({t.untyped_storage().data_ptr() for t in uploaded[:-1]}) == 1  # views of one tensor
+    separate = device_images([rgb.copy() for rgb in rgbs], "cpu", one_copy=True)
+    assert len({t.untyped_storage().data_ptr() for t in separate}) == len(rgbs)
+    far_apart = [buffer[:12].reshape(2, 2, 3), buffer[-12:].reshape(2, 2, 3)]
+    assert _shared_span(far_apart) is None  # the span would be mostly other bytes: each goes on its own
+    block = decoded_blocks(geo3k_files, model_dir)[0]
+    assert _shared_span([im for row in rgb_arrays(block.column("multi_modal_data")) if row for im in row])
 
 
 def test_other_image_processors_go_through_transformers(model_dir, tmp_path):
@@ -489,12 +515,14 @@ def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp
 def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):
     """``bench vision``'s blocks are the decode stage's output and its pool runs ``VisionStage`` on them (a smoke
     test of the command's parts on the session's Ray: no timing asserted)."""
-    from ingest.vision_bench import decoded_blocks, image_count, time_pool
+    from ingest.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool
 
     blocks = decoded_blocks(geo3k_files, model_dir)
     assert sum(image_count(b) for b in blocks) >= sum(b.num_rows for b in blocks) > 0
-    timing = time_pool([ray.put(b) for b in blocks], model_dir, actors=1, num_cpus=0.5, num_gpus=0, device="cpu")
-    assert timing["seconds"] > 0 and timing["device"] == "cpu"
+    refs = [ray.put(b) for b in blocks]
+    timing = time_pool(refs, model_dir, actors=1, num_cpus=0.5, num_gpus=0, device="cpu", passes=2)
+    assert timing["seconds"] > 0 and timing["device"] == "cpu" and timing["passes"] == 2
+    assert shared_gpu_pool(12)["num_gpus"] == 0.0833  # Ray counts GPU fractions in 1e-4 units: 12 of them fit
     deferred = decoded_blocks(geo3k_files, model_dir, defer_jpeg=True)
     jpegs = [x for b in deferred for row in b.column("_media_deferred_jpeg").to_pylist() if row for x in row if x]
     assert jpegs and all(x[:2] == b"\xff\xd8" for x in jpegs)

@@ -1,0 +1,44 @@
+#!/bin/bash
+# On the GPU machine (from the repo root, .gpu carried: tests/gpu/prepare.sh made it): set up Ray 2.60 and a few
+# wheels, then bench vision, an in-process profile, the GPU parity check and the CUDA tests. Results in $OUT.
+set +e
+export PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
+T0=$(date +%s)
+t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+mkdir -p /tmp/site
+tar xJf .gpu/ray-strip.tar.xz -C /tmp/site || t "ray untar failed"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site:$PWD INGEST_MODEL_DIR=$PWD/.gpu/model
+ORIGIN=$(cat .gpu/origin)  # the parity data name some images by absolute path, under the repo where it was made
+[ -e "$ORIGIN/.gpu" ] || { mkdir -p "$ORIGIN" && ln -s "$PWD/.gpu" "$ORIGIN/.gpu"; }
+t "setup done; repo at $PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nproc; free -g | head -2; df -h /dev/shm | tail -1
+python3 - <<'PY'
+import importlib
+for m in ["ray", "pyarrow", "numpy", "torch", "torchvision", "transformers", "tokenizers", "PIL", "pandas", "pyspng"]:
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as e:
+        print(m, "FAILED", e)
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+try:
+    import torchcodec; print("torchcodec", torchcodec.__version__)
+except Exception as e:
+    print("torchcodec not importable:", type(e).__name__)
+PY
+[ -n "$SKIP_BENCH" ] || { t "bench vision"
+timeout 170 python3 -m ingest bench vision --rows 1000 --passes 5 --gpu-actors 4 8 12 --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
+echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/bench_vision.err; }
+[ -n "$ONLY_BENCH" ] && exit 0
+t "in-process profile"
+timeout 100 python3 tests/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/prof.txt 2>"$OUT"/prof.err
+echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err
+t "gpu parity check"
+timeout 120 python3 tests/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
+echo "rc=$?"; grep '^{' "$OUT"/gpu_check.log | cut -c1-2500; grep -v '^{' "$OUT"/gpu_check.log | grep -i "error\|Traceback" | head -5
+t "pytest cuda"
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_parity_multimodal.py tests/test_feed.py -k "cuda or pixel_ops or one_copy" >"$OUT"/pytest.txt 2>&1
+echo "rc=$?"; tail -25 "$OUT"/pytest.txt
+t "end"
