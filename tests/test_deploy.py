@@ -504,6 +504,10 @@ def test_actor_pools_fit_the_cluster_node_types():
             assert cfg.vision_num_gpus <= gpu_gpus and cfg.vision_num_cpus <= gpu_cpus, path.name
             per_pod = int(gpu_gpus // cfg.vision_num_gpus)
             assert cfg.vision_pool_max_size <= per_pod * gpu["maxReplicas"], f"{path.name}: vision pool > GPUs"
+            # the actors sharing a GPU find their CPUs on its node: no GPU share is left idle for want of CPUs
+            assert per_pod * cfg.vision_num_cpus <= gpu_cpus, f"{path.name}: GPU actors outnumber the pod's CPUs"
+            per_vm = int(vm_gpu["resources"]["GPU"] // cfg.vision_num_gpus)
+            assert per_vm * cfg.vision_num_cpus <= vm_gpu["resources"]["CPU"], f"{path.name}: same on the VM type"
             assert cfg.vision_pool_max_size * cfg.vision_num_gpus <= vm_gpu["resources"]["GPU"] * vm_gpu["max_workers"]
 
 
