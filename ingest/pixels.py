@@ -130,9 +130,9 @@ def device_images(images: list, device: str, one_copy: bool | None = None) -> li
             for k, offset in zip(arrays, offsets, strict=True):
                 h, w, _ = images[k].shape
                 out[k] = uploaded[offset : offset + h * w * 3].view(h, w, 3).permute(2, 0, 1)
-            arrays = []
-        for k in arrays:
-            out[k] = torch.from_numpy(np.ascontiguousarray(images[k])).to(device).permute(2, 0, 1)
+        else:
+            for k in arrays:
+                out[k] = torch.from_numpy(np.ascontiguousarray(images[k])).to(device).permute(2, 0, 1)
     return [image.to(device) for image in out]
 
 
