@@ -1,14 +1,19 @@
-"""Arrow's memory pool in the pipeline's actor processes (``DataConfig.arrow_memory_pool``).
+"""Memory in the pipeline's actor processes: Arrow's pool (``DataConfig.arrow_memory_pool``), glibc's heap, and
+reused block buffers.
 
-Every Parquet read and every Arrow-built column of a stage (the decoded pixels of a block, say) allocates from
-Arrow's default pool. Arrow's Linux wheels default to mimalloc, which takes fresh memory as transparent huge pages;
-on the 2-core VM of ``docs/benchmarks.md`` first touches of those cost more than mimalloc saves: read + tokenize +
-decode of ``bench mm``'s 1,000 rows took 4.2-5.0 s of CPU in a new process against 3.2-4.1 s with the system
-allocator (glibc malloc, whose freed pages the next block reuses).
+Every Parquet read and every Arrow-built column of a stage allocates from Arrow's default pool. Arrow's Linux wheels
+default to mimalloc, which takes fresh memory as transparent huge pages; on the 2-core VM of ``docs/benchmarks.md``
+first touches of those cost more than mimalloc saves: read + tokenize + decode of ``bench mm``'s 1,000 rows took
+4.2-5.0 s of CPU in a new process against 3.2-4.1 s with the system allocator (glibc malloc, set here to keep freed
+heap for the next block). The block-sized outputs (a block's decoded pixels, its patches) go into ``ReusedBuffers``.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+
+import numpy as np
 import pyarrow as pa
 
 _POOLS = {"system": pa.system_memory_pool, "mimalloc": pa.mimalloc_memory_pool, "jemalloc": pa.jemalloc_memory_pool}
@@ -18,6 +23,63 @@ DEFAULT_ARROW_MEMORY_POOL = "system"
 
 def use_arrow_memory_pool(name: str = DEFAULT_ARROW_MEMORY_POOL) -> None:
     """Make ``name`` (``system``, ``mimalloc``, ``jemalloc``) Arrow's default memory pool in this process;
-    ``default`` leaves Arrow's choice. Buffers allocated before keep their own pool."""
+    ``default`` leaves Arrow's choice. Buffers allocated before keep their own pool. ``system`` also has glibc keep
+    freed memory for the next block (``keep_freed_heap``). Called by the pipeline's actors, in their own processes."""
     if name != "default":
         pa.set_memory_pool(_POOLS[name]())
+    if name == "system":
+        keep_freed_heap()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_heap(trim_bytes: int = 512 << 20) -> bool:
+    """glibc malloc in this process: allocations up to 32 MB (its largest mmap threshold) from the heap, and up to
+    ``trim_bytes`` of freed heap kept rather than returned to the kernel. By default glibc returns the top of the heap
+    once more than twice its (adaptive) mmap threshold is free: a stage that frees a block's decoded images after
+    packing them then touches fresh pages again for the next block (~100k page faults per 1,000 ``bench mm`` rows in
+    the tokenizer actor; on the VM of ``docs/benchmarks.md`` a fresh page costs ~2-3.5 us). False where the C library
+    is not glibc (nothing changed)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+
+
+class ReusedBuffers:
+    """Large output buffers of a stage, each reused once the block that held it has left this process.
+
+    A stage's block-sized outputs (a block's decoded pixels, its uint8 patches: ~45 MB for 100 geo3k rows) are above
+    glibc's largest mmap threshold (32 MB), so each fresh one is mapped and, once freed, unmapped: every block touches
+    new pages. On the 2-core VM of ``docs/benchmarks.md`` a first touch costs ~3.5 us a page (the host backs it), ~20
+    times the write itself: ~40 ms of CPU per such buffer. Here a buffer comes back when nothing else refers to it any
+    more (Ray has copied the block into the object store and dropped it): Arrow's wrapper (``pa.py_buffer``) and numpy
+    or torch views all hold a reference to the array this hands out, so a held buffer is never handed out again.
+    """
+
+    def __init__(self, keep: int = 2, slack: float = 1.25):
+        self._buffers: list[np.ndarray] = []
+        self._keep, self._slack = keep, slack
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable 1-D uint8 array of ``nbytes``: a free kept buffer, else a new one (kept when there is room)."""
+        with self._lock:
+            free = [k for k in range(len(self._buffers)) if sys.getrefcount(self._buffers[k]) <= _POOL_REFS]
+            fits = [k for k in free if self._buffers[k].size >= nbytes]
+            if fits:
+                return self._buffers[fits[0]][:nbytes]
+            new = np.empty(int(nbytes * self._slack), dtype=np.uint8)
+            if free:  # a free one too small: replace it
+                self._buffers[free[0]] = new
+            elif len(self._buffers) < self._keep:
+                self._buffers.append(new)
+            return new[:nbytes]
+
+
+# references to a free kept buffer during ``take``'s check: the list's and ``getrefcount``'s argument
+_POOL_REFS = 2

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ingest.memory import ReusedBuffers
 from ingest.vision import VisionSpec, image_grid, image_processor_config
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
+PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,11 @@ class ImagePixels:
         shapes = [im.shape[:2] if isinstance(im, np.ndarray) else im.shape[1:] for im in images]  # (H, W)
         grids = np.array([image_grid(w, h, spec) for h, w in shapes], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
-        out = torch.empty((int(counts.sum()), 3, p, p), dtype=torch.uint8, device=device)
+        shape = (int(counts.sum()), 3, p, p)
+        if torch.device(device).type == "cpu":  # the block's patches: the last block's buffer once Ray has stored it
+            out = torch.from_numpy(PATCHES.take(int(np.prod(shape)))).view(shape)
+        else:
+            out = torch.empty(shape, dtype=torch.uint8, device=device)
         start = 0
         for pixels, (_, gh, gw), count in zip(
             device_images(images, device), grids.tolist(), counts.tolist(), strict=True

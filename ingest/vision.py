@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ingest.memory import ReusedBuffers
+
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
@@ -35,6 +37,7 @@ DEFERRED_JPEG_COLUMN = "_media_deferred_jpeg"
 DEFERRED_VIDEO_COLUMN = "_media_deferred_videos"
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PACKED_PIXELS = ReusedBuffers()  # a block's decoded RGB pixels (``_packed_binary``)
 
 
 def image_processor_config(path: str | Path) -> dict:
@@ -483,12 +486,11 @@ def _packed_binary(arrays: list[np.ndarray]) -> pa.LargeBinaryArray:
     pieces = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
     offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum([piece.size for piece in pieces], out=offsets[1:])
-    # Arrow's memory pool keeps freed pages for the next block (a fresh numpy buffer would page-fault every time)
-    buffer = pa.allocate_buffer(int(offsets[-1]))
-    data = np.frombuffer(buffer, dtype=np.uint8)
+    data = PACKED_PIXELS.take(int(offsets[-1]))  # the last block's buffer once Ray has stored that block
     for piece, start in zip(pieces, offsets[:-1].tolist(), strict=True):
         data[start : start + piece.size] = piece
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(pieces), [None, pa.py_buffer(offsets), buffer])
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(pieces), buffers)
 
 
 def image_rows_array(rows: list[list[tuple[np.ndarray, dict]] | None]) -> pa.ListArray:

@@ -200,6 +200,99 @@ def test_actors_set_the_configured_arrow_memory_pool(ray_session, model_dir, act
         DataConfig(arrow_memory_pool="tcmalloc")
 
 
+def test_reused_buffers_never_hand_out_a_buffer_still_held():
+    """``ReusedBuffers``: a buffer comes back only once nothing refers to it (Arrow's wrapper, numpy or torch views
+    all count); held ones are never handed out again, and a larger request replaces a free smaller one."""
+    import torch
+
+    from ingest.memory import ReusedBuffers
+
+    pool = ReusedBuffers(keep=2)
+    first = pool.take(1000)
+    wrapped = pa.py_buffer(first)
+    del first
+    second = pool.take(1000)
+    tensor = torch.from_numpy(second)
+    del second
+    third = pool.take(1000)  # both kept buffers are held (Arrow, torch): a new one, not kept
+    assert not np.shares_memory(third, np.frombuffer(wrapped, np.uint8)) and not np.shares_memory(third, tensor.numpy())
+    del tensor, third
+    again = pool.take(800)  # the torch-held one is free again
+    assert np.shares_memory(again, pool._buffers[1]) and not np.shares_memory(again, np.frombuffer(wrapped, np.uint8))
+    del again, wrapped
+    bigger = pool.take(5000)
+    assert bigger.size == 5000 and any(np.shares_memory(bigger, b) for b in pool._buffers)
+
+
+def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
+    """The decode stage's packed pixels and the vision stage's uint8 patches reuse the last block's buffer once that
+    block is dropped (Ray has stored it), and never overwrite a block that is still held."""
+    import torch
+
+    from ingest.pixels import PATCHES, ImagePixels
+    from ingest.vision import PACKED_PIXELS, image_rows_array, rgb_arrays
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (56 + 14 * k, 84, 3), dtype=np.uint8) for k in range(4)]
+    rows = [[(images[0], {}), (images[1], {})], None, [(images[2], {}), (images[3], {})]]
+
+    def pixel_buffer(array: pa.Array) -> int:
+        address = array.values.field("rgb").buffers()[2].address
+        assert any(b.ctypes.data <= address < b.ctypes.data + b.size for b in PACKED_PIXELS._buffers)
+        return address
+
+    held = image_rows_array(rows)
+    other = image_rows_array(rows[::-1])
+    assert pixel_buffer(held) != pixel_buffer(other)
+    assert all(np.array_equal(a, b) for a, b in zip(rgb_arrays(held)[0] + rgb_arrays(held)[2], images, strict=True))
+    address = pixel_buffer(other)
+    del other
+    assert pixel_buffer(image_rows_array(rows)) == address
+
+    pixels = ImagePixels.from_dir(model_dir)
+    kept, _ = pixels.patches(images)
+    expected = kept.clone()
+    later, _ = pixels.patches(images[::-1])
+    assert kept.data_ptr() != later.data_ptr() and torch.equal(kept, expected)
+    address = later.data_ptr()
+    assert any(b.ctypes.data == address for b in PATCHES._buffers)
+    del later
+    assert pixels.patches(images)[0].data_ptr() == address
+
+
+_FREED_HEAP_PROBE = """
+import ctypes
+from ingest.memory import keep_freed_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+assert keep_freed_heap()
+chunks = [libc.malloc(20 << 20) for _ in range(8)]
+for chunk in chunks:
+    ctypes.memset(chunk, 1, 20 << 20)
+for chunk in reversed(chunks):
+    libc.free(chunk)
+info = libc.mallinfo2()
+print(info.hblkhd >> 20, info.fordblks >> 20)
+"""
+
+
+def test_actor_processes_keep_freed_heap_for_the_next_block():
+    """With the system pool the actors have glibc serve blocks up to 32 MB from the heap and keep what is freed
+    (``keep_freed_heap``): 8 x 20 MB freed stay in the heap for the next block, not mapped and unmapped each time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FREED_HEAP_PROBE], capture_output=True, text=True, check=True)
+    mapped_mb, free_in_heap_mb = (int(v) for v in out.stdout.split())
+    assert mapped_mb == 0 and free_in_heap_mb >= 160, out.stdout
+
+
 def test_an_actor_module_imports_its_stage_only():
     """Unpickling a decode / vision actor class imports ``actors.vision``: with the packages' lazy exports that pulls
     in neither the tokenizer's Jinja nor the pipeline or SFT modules; the public names still resolve."""
