@@ -13,6 +13,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -171,14 +172,15 @@ def _compare(
     warm_workers: bool = False,
 ) -> dict:
     """Ours, then verl 0.5.0, on the same files: rows/s of both, their ratio. ``layouts``: name -> our pool settings,
-    each run in turn (the first: ``ours`` / ``ratio_rows_per_s``; the others: ``ours_<name>`` / ``ratio_<name>``).
-    ``warm_workers``: one prestarted worker per actor of the layout waits for it (``_prestart_workers``)."""
+    each run in turn, in that order (``default`` and ``decode_pool``: ``ours`` / ``ratio_rows_per_s``; the others:
+    ``ours_<name>`` / ``ratio_<name>``; ``order`` lists them). ``warm_workers``: one prestarted worker per actor of
+    the layout waits for it (``_prestart_workers``)."""
     from ingest.oracle import run_verl
 
     layouts = layouts or {"default": {}}
-    keys = [(f"ours_{name}", f"ratio_{name}") for name in layouts]
-    keys[0] = ("ours", "ratio_rows_per_s")
-    entry: dict = {}
+    plain = ("ours", "ratio_rows_per_s")
+    keys = [plain if name in ("default", "decode_pool") else (f"ours_{name}", f"ratio_{name}") for name in layouts]
+    entry: dict = {"order": list(layouts)}
     for (ours_key, _), pools in zip(keys, layouts.values(), strict=True):
         if warm_workers:
             _prestart_workers(2 if pools.get("decode_pool_max_size") == 0 else 3)
@@ -202,16 +204,23 @@ def bench_mm(
     skip_verl: bool = False,
     config: dict | None = None,
     warm_workers: bool = False,
+    layouts: Sequence[str] = tuple(MM_LAYOUTS),
 ) -> dict:
     """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on.
-    Both ``MM_LAYOUTS`` (``ours``: the decode pool; ``ours_decode_in_tokenizer``), then verl, in one run.
-    ``warm_workers``: our actors start in prestarted workers that imported Ray Data and torch before the clock
-    (a diagnostic: how much of our time is process start-up)."""
+    The ``MM_LAYOUTS`` named in ``layouts``, in that order (``ours``: the decode pool; ``ours_decode_in_tokenizer``),
+    then verl, in one run. Order matters: the first of our runs in a new Ray session writes to object-store pages
+    and grows the driver's heap for the first time (docs/benchmarks.md). ``warm_workers``: our actors start in
+    prestarted workers that imported Ray Data and torch before the clock (a diagnostic: how much of our time is
+    process start-up)."""
     import ray
 
     from ingest.offline import build_offline_model_dir
     from ingest.sample import write_geo3k_parquet
 
+    unknown = [name for name in layouts if name not in MM_LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown layouts {unknown}: choose from {list(MM_LAYOUTS)}")
+    chosen = {name: MM_LAYOUTS[name] for name in layouts}
     model = str(build_offline_model_dir())
     work = _work_dir(work_dir)
     result = _start_ray(WARM_WORKER_MODULES if warm_workers else ())
@@ -221,7 +230,7 @@ def bench_mm(
         out = work / f"geo3k-{n}"
         files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
-        compared = _compare(files, model, mm_config, model, work, skip_verl, MM_LAYOUTS, warm_workers)
+        compared = _compare(files, model, mm_config, model, work, skip_verl, chosen, warm_workers)
         entry = {"rows": n, "images": images, **compared}
         result["sizes"].append(entry)
         print(entry, flush=True)

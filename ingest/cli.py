@@ -105,7 +105,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ingest.bench import bench_mm, bench_text
+    from ingest.bench import MM_LAYOUTS, bench_mm, bench_text
 
     if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
         from ingest.sft.bench import bench_sft
@@ -135,7 +135,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.kind == "mm":
         result = bench_mm(
-            rows=args.rows or [1000], work_dir=args.work_dir, skip_verl=args.skip_verl, warm_workers=args.warm_workers
+            rows=args.rows or [1000],
+            work_dir=args.work_dir,
+            skip_verl=args.skip_verl,
+            warm_workers=args.warm_workers,
+            layouts=args.layouts or tuple(MM_LAYOUTS),
         )
     else:
         result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
@@ -178,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
     bench.add_argument(
         "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"
+    )
+    bench.add_argument(
+        "--layouts",
+        nargs="+",
+        help="mm only: our layouts to run, in this order (decode_pool decode_in_tokenizer)",
     )
     bench.add_argument(
         "--warm-workers",

@@ -102,7 +102,7 @@ class ImagePixels:
         shape = (int(counts.sum()), 3, p, p)
         if torch.device(device).type == "cpu":  # the block's patches: the last block's buffer once Ray has stored it
             out = torch.from_numpy(PATCHES.take(int(np.prod(shape)))).view(shape)
-        else:
+        else:  # host_array copies them back into such a buffer
             out = torch.empty(shape, dtype=torch.uint8, device=device)
         start = 0
         for pixels, (_, gh, gw), count in zip(
@@ -114,6 +114,18 @@ class ImagePixels:
             out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
             start += count
         return out, grids
+
+
+def host_array(patches) -> np.ndarray:
+    """uint8 patches as a numpy array in host memory: CPU tensors as they are (``patches`` wrote them into a
+    ``PATCHES`` buffer); a device's copied into one, so each block's copy back lands on pages already touched
+    rather than fresh ones."""
+    import torch
+
+    if patches.device.type == "cpu":
+        return patches.numpy()
+    host = torch.from_numpy(PATCHES.take(patches.numel())).view(patches.shape)
+    return host.copy_(patches).numpy()
 
 
 def device_images(images: list, device: str, one_copy: bool | None = None) -> list:

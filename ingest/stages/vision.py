@@ -30,7 +30,7 @@ from ingest.accounting import (
     row_error,
 )
 from ingest.errors import BadRowError
-from ingest.pixels import ImagePixels
+from ingest.pixels import ImagePixels, host_array
 from ingest.video import decode_video_file, decode_video_frames, resize_frames
 from ingest.vision import (
     DEFERRED_JPEG_COLUMN,
@@ -514,7 +514,7 @@ class VisionStage:
             flat[position] = tensor
         if self.pixels is not None:
             patches, grids = self.pixels.patches(flat, self.device)
-            pixel_values, norm = patches.cpu().numpy(), self.pixels.norm
+            pixel_values, norm = host_array(patches), self.pixels.norm
         else:
             flat = [np.asarray(im.permute(1, 2, 0).cpu()) if not isinstance(im, np.ndarray) else im for im in flat]
             (pixel_values, grids), norm = self.pixel_values(flat), None
