@@ -50,6 +50,10 @@ def keep_freed_heap(trim_bytes: int = 512 << 20) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
+# references to a free kept buffer during ``ReusedBuffers.take``'s check: the list's and ``getrefcount``'s argument
+_POOL_REFS = 2
+
+
 class ReusedBuffers:
     """Large output buffers of a stage, each reused once the block that held it has left this process.
 
@@ -79,7 +83,3 @@ class ReusedBuffers:
             elif len(self._buffers) < self._keep:
                 self._buffers.append(new)
             return new[:nbytes]
-
-
-# references to a free kept buffer during ``take``'s check: the list's and ``getrefcount``'s argument
-_POOL_REFS = 2
