@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -65,9 +66,10 @@ class ReusedBuffers:
     or torch views all hold a reference to the array this hands out, so a held buffer is never handed out again.
     """
 
-    def __init__(self, keep: int = 2, slack: float = 1.25):
+    def __init__(self, keep: int = 2, slack: float = 1.25, allocate: Callable[[int], np.ndarray] | None = None):
         self._buffers: list[np.ndarray] = []
         self._keep, self._slack = keep, slack
+        self._allocate = allocate or _pageable
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -77,9 +79,28 @@ class ReusedBuffers:
             fits = [k for k in free if self._buffers[k].size >= nbytes]
             if fits:
                 return self._buffers[fits[0]][:nbytes]
-            new = np.empty(int(nbytes * self._slack), dtype=np.uint8)
+            new = self._allocate(int(nbytes * self._slack))
             if free:  # a free one too small: replace it
                 self._buffers[free[0]] = new
             elif len(self._buffers) < self._keep:
                 self._buffers.append(new)
             return new[:nbytes]
+
+
+def _pageable(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def pinned_or_pageable(nbytes: int) -> np.ndarray:
+    """A 1-D uint8 array of ``nbytes`` in page-locked (pinned) host memory where CUDA is there, else ordinary memory.
+    A device-to-host copy into pinned memory is one DMA at the link's speed; into pageable memory the driver stages
+    it through its own pinned buffer and a CPU copy (in the H200 profile of ``docs/benchmarks.md`` that copy was 70%
+    of the GPU's time). The array keeps the pinned tensor (and so its memory) alive."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        except RuntimeError:  # pinning refused (locked-memory limit): the copy still works, staged by the driver
+            pass
+    return _pageable(nbytes)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.memory import ReusedBuffers
+from ingest.memory import ReusedBuffers, pinned_or_pageable
 from ingest.vision import VisionSpec, image_grid, image_processor_config
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
+DEVICE_PATCHES = ReusedBuffers(allocate=pinned_or_pageable)  # a device's patches copied back (``host_array``)
 
 
 @dataclass(frozen=True)
@@ -118,13 +119,13 @@ class ImagePixels:
 
 def host_array(patches) -> np.ndarray:
     """uint8 patches as a numpy array in host memory: CPU tensors as they are (``patches`` wrote them into a
-    ``PATCHES`` buffer); a device's copied into one, so each block's copy back lands on pages already touched
-    rather than fresh ones."""
+    ``PATCHES`` buffer); a device's copied into a ``DEVICE_PATCHES`` buffer: pinned where CUDA is (one DMA, no
+    staging copy), and the last block's once Ray has stored it (pinning is slow; fresh pages are dear)."""
     import torch
 
     if patches.device.type == "cpu":
         return patches.numpy()
-    host = torch.from_numpy(PATCHES.take(patches.numel())).view(patches.shape)
+    host = torch.from_numpy(DEVICE_PATCHES.take(patches.numel())).view(patches.shape)
     return host.copy_(patches).numpy()
 
 

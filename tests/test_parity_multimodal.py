@@ -361,6 +361,29 @@ def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
     assert _shared_span([im for row in rgb_arrays(block.column("multi_modal_data")) if row for im in row])
 
 
+def test_device_patches_come_back_into_reused_host_buffers(model_dir):
+    """A device's patches land in a ``DEVICE_PATCHES`` buffer, page-locked where CUDA is (one DMA back), reused
+    once the block is gone; ``pinned_or_pageable`` gives ordinary memory without CUDA. The copy-back itself runs
+    with a device: ``test_cuda_vision_matches_cpu_within_tolerance`` and ``tests/gpu``."""
+    from ingest.memory import pinned_or_pageable
+    from ingest.pixels import DEVICE_PATCHES, ImagePixels, host_array
+
+    array = pinned_or_pageable(1000)
+    assert array.dtype == np.uint8 and array.shape == (1000,)
+    assert torch.from_numpy(array).is_pinned() == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return
+    pixels = ImagePixels.from_dir(model_dir)
+    patches, _ = pixels.patches(_sample_rgbs(), "cuda")
+    host = host_array(patches)
+    assert torch.equal(torch.from_numpy(host), patches.cpu()) and torch.from_numpy(host).is_pinned()
+    address = host.ctypes.data
+    assert any(b.ctypes.data == address for b in DEVICE_PATCHES._buffers)
+    assert host_array(patches).ctypes.data != address  # still held: not handed out again
+    del host
+    assert host_array(patches).ctypes.data == address
+
+
 def test_other_image_processors_go_through_transformers(model_dir, tmp_path):
     import json
     import shutil

@@ -222,6 +222,9 @@ def test_reused_buffers_never_hand_out_a_buffer_still_held():
     del again, wrapped
     bigger = pool.take(5000)
     assert bigger.size == 5000 and any(np.shares_memory(bigger, b) for b in pool._buffers)
+    sizes = []
+    sized = ReusedBuffers(allocate=lambda n: sizes.append(n) or np.empty(n, dtype=np.uint8))
+    assert sized.take(1000).size == 1000 and sizes == [1250]  # new buffers come from ``allocate``, with slack
 
 
 def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):

@@ -444,3 +444,26 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
     assert batch["image_grid_thw"].shape == (6, 3) and batch["pixel_values"].shape[0] == 3 * pixels.shape[0]
     assert batch["mm_token_type_ids"].shape == batch["input_ids"].shape
     assert batch["mm_token_type_ids"][0].tolist() == row["mm_token_type_ids"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_vision_pool_matches_the_cpu_pool(ray_session, model_dir, tmp_path):
+    """SFT's vision pool on a GPU actor: every field as on the CPU pool, pixel values within the device tolerance."""
+    from ingest.pixels import ImagePixels
+
+    rows, _ = _mm_rows(1, 10)
+    file = _write(tmp_path / "mm.parquet", rows, row_group_size=4)
+    cpu = _rows(build_sft_dataset(file, model_dir, BASE, processor=model_dir))
+    gpu_config = {**BASE, "vision_device": "cuda", "vision_num_gpus": 1}
+    gpu = _rows(build_sft_dataset(file, model_dir, gpu_config, processor=model_dir))
+    tolerance = ImagePixels.from_dir(model_dir).device_tolerance()
+    assert len(gpu) == len(cpu) == len(rows)
+    for got, expected in zip(gpu, cpu, strict=True):
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            if key.startswith("pixel_values") and value is not None:
+                np.testing.assert_allclose(
+                    tensor_from_record(got[key]), tensor_from_record(value), atol=tolerance, rtol=0
+                )
+            else:
+                assert got[key] == value, key

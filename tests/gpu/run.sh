@@ -29,16 +29,17 @@ except Exception as e:
     print("torchcodec not importable:", type(e).__name__)
 PY
 [ -n "$SKIP_BENCH" ] || { t "bench vision"
-timeout 170 python3 -m ingest bench vision --rows 1000 --passes 5 --gpu-actors 4 8 12 --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
+timeout 200 python3 -m ingest bench vision --rows 1000 --passes 5 --gpu-actors 4 8 12 16 --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
 echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/bench_vision.err; }
 [ -n "$ONLY_BENCH" ] && exit 0
+t "pytest cuda"
+timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_parity_multimodal.py tests/test_feed.py \
+  tests/test_sft_dataset.py -k "cuda or pixel_ops or one_copy or device_patches" >"$OUT"/pytest.txt 2>&1
+echo "rc=$?"; tail -25 "$OUT"/pytest.txt
 t "in-process profile"
-timeout 100 python3 tests/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/prof.txt 2>"$OUT"/prof.err
+timeout 90 python3 tests/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/prof.txt 2>"$OUT"/prof.err
 echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err
 t "gpu parity check"
-timeout 120 python3 tests/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
+timeout 110 python3 tests/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
 echo "rc=$?"; grep '^{' "$OUT"/gpu_check.log | cut -c1-2500; grep -v '^{' "$OUT"/gpu_check.log | grep -i "error\|Traceback" | head -5
-t "pytest cuda"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_parity_multimodal.py tests/test_feed.py -k "cuda or pixel_ops or one_copy" >"$OUT"/pytest.txt 2>&1
-echo "rc=$?"; tail -25 "$OUT"/pytest.txt
 t "end"
