@@ -29,7 +29,7 @@ except Exception as e:
     print("torchcodec not importable:", type(e).__name__)
 PY
 [ -n "$SKIP_BENCH" ] || { t "bench vision"
-timeout 200 python3 -m ingest bench vision --rows 1000 --passes 5 --gpu-actors 4 8 12 16 --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
+timeout ${BENCH_TIMEOUT:-300} python3 -m ingest bench vision --rows 1000 --passes ${PASSES:-20} --gpu-actors ${GPU_ACTORS:-4 8 12 16} --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
 echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/bench_vision.err; }
 [ -n "$ONLY_BENCH" ] && exit 0
 t "pytest cuda"
