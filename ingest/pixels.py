@@ -24,6 +24,7 @@ from ingest.vision import VisionSpec, image_grid, image_processor_config
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
 DEVICE_PATCHES = ReusedBuffers(allocate=pinned_or_pageable)  # a device's patches copied back (``host_array``)
+UPLOAD_STAGING = ReusedBuffers(allocate=pinned_or_pageable)  # a block's pixels on their way to CUDA (``upload``)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def device_images(images: list, device: str, one_copy: bool | None = None) -> li
         warnings.simplefilter("ignore", UserWarning)
         if span is not None:
             buffer, offsets = span
-            uploaded = torch.from_numpy(buffer).to(device)
+            uploaded = upload(buffer, device)
             for k, offset in zip(arrays, offsets, strict=True):
                 h, w, _ = images[k].shape
                 out[k] = uploaded[offset : offset + h * w * 3].view(h, w, 3).permute(2, 0, 1)
@@ -153,6 +154,20 @@ def device_images(images: list, device: str, one_copy: bool | None = None) -> li
             for k in arrays:
                 out[k] = torch.from_numpy(np.ascontiguousarray(images[k])).to(device).permute(2, 0, 1)
     return [image.to(device) for image in out]
+
+
+def upload(buffer: np.ndarray, device: str):
+    """A 1-D uint8 host array as a tensor on ``device``, in one copy. To CUDA through a reused pinned staging buffer:
+    a CPU copy, then one DMA at the link's speed. From pageable memory the driver pipelines its own staging with the
+    transfer, which holds the GPU's copy engine ~4x longer (4.5 ms of ~9 ms of GPU time per 100-row block in the
+    H200 profile of ``docs/benchmarks.md``): where several actors share a GPU, that time is what runs out."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return torch.from_numpy(buffer).to(device)
+    staged = UPLOAD_STAGING.take(buffer.size)
+    np.copyto(staged, buffer)
+    return torch.from_numpy(staged).to(device)  # synchronous: the staging buffer is free again once this returns
 
 
 def _shared_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]] | None:
