@@ -77,8 +77,8 @@ class ReusedBuffers:
         with self._lock:
             free = [k for k in range(len(self._buffers)) if sys.getrefcount(self._buffers[k]) <= _POOL_REFS]
             fits = [k for k in free if self._buffers[k].size >= nbytes]
-            if fits:
-                return self._buffers[fits[0]][:nbytes]
+            if fits:  # the smallest that fits: a pool of many sizes (per-row values) keeps large ones for large rows
+                return self._buffers[min(fits, key=lambda k: self._buffers[k].size)][:nbytes]
             new = self._allocate(int(nbytes * self._slack))
             if free:  # a free one too small: replace it
                 self._buffers[free[0]] = new

@@ -25,6 +25,12 @@ _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
 DEVICE_PATCHES = ReusedBuffers(allocate=pinned_or_pageable)  # a device's patches copied back (``host_array``)
 UPLOAD_STAGING = ReusedBuffers(allocate=pinned_or_pageable)  # a block's pixels on their way to CUDA (``upload``)
+# float32 ``pixel_values`` built on the CPU (``normalize_patches``), one buffer per image row: the consumer builds
+# ~3.6 MB per geo3k image, eight times the block's uint8 patches. From malloc they land on fresh pages every batch
+# (the collate runs in a new thread each iteration, whose glibc arena gives its heaps back once a batch is freed):
+# zeroing those was 40% of the consumer's CPU on the VM of ``docs/benchmarks.md``. Up to 192 buffers are kept (three
+# 64-row batches of geo3k-like rows, ~0.8 GB), each handed out again only once nothing holds it.
+PIXEL_VALUES = ReusedBuffers(keep=192, slack=1.0)
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,11 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
             patches = torch.from_numpy(patches)
     n, channels, p, _ = patches.shape
     t = temporal_patch_size
-    out = torch.empty((n, channels, t, p * p), dtype=torch.float32, device=patches.device)
+    shape = (n, channels, t, p * p)
+    if patches.device.type == "cpu":
+        out = torch.from_numpy(PIXEL_VALUES.take(4 * n * channels * t * p * p)).view(torch.float32).view(shape)
+    else:
+        out = torch.empty(shape, dtype=torch.float32, device=patches.device)
     if out.device.type == "cpu":
         # numpy's ufuncs on the tensor's memory: the same IEEE float32 ops, on one thread. torch's CPU kernels would
         # fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a

@@ -263,6 +263,40 @@ def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
     assert pixels.patches(images)[0].data_ptr() == address
 
 
+def test_consumer_pixel_values_reuse_only_buffers_nothing_holds(monkeypatch):
+    """The float32 ``pixel_values`` built on the CPU (the collate, per image row) come from ``PIXEL_VALUES``: a row
+    the caller still holds is never written again, a dropped row's buffer is reused (the smallest that fits), and
+    each row's tensor owns just its bytes (pickling or saving it carries no other row's)."""
+    import pickle
+
+    import torch
+
+    import ingest.pixels
+    from ingest.memory import ReusedBuffers
+    from ingest.pixels import normalize_patches
+
+    pool = ReusedBuffers(keep=192, slack=1.0)  # this test's own: other tests' free buffers could fit better
+    monkeypatch.setattr(ingest.pixels, "PIXEL_VALUES", pool)
+    rng = np.random.default_rng(1)
+    mean, std = (122.7, 116.7, 104.1), (68.5, 66.6, 70.3)
+    rows = [rng.integers(0, 256, (n, 3, 14, 14), dtype=np.uint8) for n in (40, 10, 25)]
+    held = [normalize_patches(r, mean, std, 2) for r in rows]
+    expected = [h.clone() for h in held]
+    for h, r in zip(held, rows, strict=True):
+        assert h.shape == (len(r), 3 * 2 * 14 * 14) and h.untyped_storage().nbytes() == h.numel() * 4
+        assert len(pickle.dumps(h)) < h.numel() * 4 + 4096
+    addresses = {h.data_ptr() for h in held}
+    others = [normalize_patches(r, mean, std, 2) for r in rows]  # all three held: new buffers
+    assert not addresses & {o.data_ptr() for o in others}
+    assert all(torch.equal(h, e) for h, e in zip(held, expected, strict=True))
+    large, small = held[0].data_ptr(), held[1].data_ptr()
+    del held, others
+    again = normalize_patches(rows[1], mean, std, 2)  # 10 patches: the smallest free buffer that fits
+    assert again.data_ptr() == small and torch.equal(again, expected[1])
+    assert normalize_patches(rows[0], mean, std, 2).data_ptr() == large
+    assert any(b.ctypes.data == small for b in pool._buffers)
+
+
 _FREED_HEAP_PROBE = """
 import ctypes
 from ingest.memory import keep_freed_heap
