@@ -28,8 +28,9 @@ UPLOAD_STAGING = ReusedBuffers(allocate=pinned_or_pageable)  # a block's pixels 
 # float32 ``pixel_values`` built on the CPU (``normalize_patches``), one buffer per image row: the consumer builds
 # ~3.6 MB per geo3k image, eight times the block's uint8 patches. From malloc they land on fresh pages every batch
 # (the collate runs in a new thread each iteration, whose glibc arena gives its heaps back once a batch is freed):
-# zeroing those was 40% of the consumer's CPU on the VM of ``docs/benchmarks.md``. Up to 192 buffers are kept (three
-# 64-row batches of geo3k-like rows, ~0.8 GB), each handed out again only once nothing holds it.
+# zeroing those was 40% of the consumer's CPU on the VM of ``docs/benchmarks.md``. At most 192 buffers are kept
+# (about three 64-row batches: what a consumer holds at its peak, ~0.8 GB of geo3k rows), each handed out again only
+# once nothing holds it.
 PIXEL_VALUES = ReusedBuffers(keep=192, slack=1.0)
 
 
@@ -164,9 +165,10 @@ def device_images(images: list, device: str, one_copy: bool | None = None) -> li
 
 def upload(buffer: np.ndarray, device: str):
     """A 1-D uint8 host array as a tensor on ``device``, in one copy. To CUDA through a reused pinned staging buffer:
-    a CPU copy, then one DMA at the link's speed. From pageable memory the driver pipelines its own staging with the
-    transfer, which holds the GPU's copy engine ~4x longer (4.5 ms of ~9 ms of GPU time per 100-row block in the
-    H200 profile of ``docs/benchmarks.md``): where several actors share a GPU, that time is what runs out."""
+    a CPU copy, then one DMA at the link's speed. From pageable memory the driver stages the transfer itself, CPU copy
+    and DMA in turn, and the GPU's copy engine is busy all along: 4.5 ms of ~9 ms of GPU time per 100-row block in the
+    H200 profile of ``docs/benchmarks.md``, where several actors share a GPU the time that runs out. (One actor alone
+    gains nothing: the CPU copy is then on its critical path.)"""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -214,18 +216,16 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
     t = temporal_patch_size
     shape = (n, channels, t, p * p)
     if patches.device.type == "cpu":
-        out = torch.from_numpy(PIXEL_VALUES.take(4 * n * channels * t * p * p)).view(torch.float32).view(shape)
-    else:
-        out = torch.empty(shape, dtype=torch.float32, device=patches.device)
-    if out.device.type == "cpu":
-        # numpy's ufuncs on the tensor's memory: the same IEEE float32 ops, on one thread. torch's CPU kernels would
-        # fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a
-        # third more CPU for the collate on 2 cores); the memory stays torch's (numpy's would be huge-page advised).
+        # numpy's ufuncs on a ``PIXEL_VALUES`` buffer: the same IEEE float32 ops, on one thread. torch's CPU kernels
+        # would fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a
+        # third more CPU for the collate on 2 cores).
+        out = torch.from_numpy(PIXEL_VALUES.take(4 * int(np.prod(shape)))).view(torch.float32).view(shape)
         values = out.numpy()
         np.copyto(values, patches.numpy().reshape(n, channels, 1, p * p), casting="unsafe")
         np.subtract(values, np.asarray(mean, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
         np.divide(values, np.asarray(std, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
     else:
+        out = torch.empty(shape, dtype=torch.float32, device=patches.device)
         out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
         out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
         out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))

@@ -1,6 +1,6 @@
 """On the GPU machine, in-process: VisionStage on cuda over bench vision's blocks, this commit's code against the
-previous upload/resize (per-image transfer, F.interpolate) and copy-back (into pageable memory), a try of a pinned
-staging buffer for the upload, a breakdown, and torch.profiler's top ops."""
+previous upload/resize (per-image transfer, F.interpolate), copy-back (into pageable memory) and upload (from
+pageable memory), a breakdown, and torch.profiler's top ops."""
 
 import glob
 import json
@@ -94,29 +94,11 @@ P.DEVICE_PATCHES = M.ReusedBuffers()
 res["pageable_copy_back"] = rate(stage)
 P.DEVICE_PATCHES = pinned_pool
 res["new_again"] = rate(stage)
-# a try, not in the code: the upload through a reused pinned staging buffer (a CPU copy, then one DMA)
-STAGING = M.ReusedBuffers(allocate=M.pinned_or_pageable)
-
-
-def staged_device_images(images, device, one_copy=None):
-    arrays = [k for k, image in enumerate(images) if isinstance(image, np.ndarray)]
-    span = P._shared_span([images[k] for k in arrays]) if arrays else None
-    if span is None:
-        return new_up(images, device, one_copy)
-    buffer, offsets = span
-    staged = STAGING.take(buffer.size)
-    np.copyto(staged, buffer)
-    uploaded = torch.from_numpy(staged).to(device, non_blocking=True)
-    out = list(images)
-    for k, offset in zip(arrays, offsets, strict=True):
-        h, w, _ = images[k].shape
-        out[k] = uploaded[offset : offset + h * w * 3].view(h, w, 3).permute(2, 0, 1)
-    return [image.to(device) for image in out]
-
-
-P.device_images = staged_device_images
-res["pinned_staged_upload"] = rate(stage)
-P.device_images = new_up
+# the upload: through the pinned staging buffer (this code) against straight from the block (pageable, before)
+staged_upload = P.upload
+P.upload = lambda buffer, device: torch.from_numpy(buffer).to(device)
+res["pageable_upload"] = rate(stage)
+P.upload = staged_upload
 # breakdown of the new code: patches() alone (synced), and its download
 orig = P.ImagePixels.patches
 acc = {"patches": 0.0, "download": 0.0}
