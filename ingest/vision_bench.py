@@ -78,14 +78,26 @@ def _vision_actor(num_cpus: float, num_gpus: float):
 
 
 def time_pool(
-    blocks: list, model: str, actors: int, num_cpus: float, num_gpus: float, device: str, passes: int = 1
+    blocks: list,
+    model: str,
+    actors: int,
+    num_cpus: float,
+    num_gpus: float,
+    device: str,
+    passes: int = 1,
+    actor_class=None,
+    actor_args: tuple = (),
 ) -> dict:
     """Seconds of ``actors`` vision actors over ``blocks`` (object refs) ``passes`` times, after one warm-up block
-    per actor."""
+    per actor. ``actor_class``: another Ray actor class with the same ``run`` (``tests/gpu/ab_upload.py``), built
+    with (model, device, *actor_args)."""
     import ray
 
-    cls = _vision_actor(num_cpus, num_gpus)
-    pool = [cls.remote(model, device) for _ in range(actors)]
+    if actor_class is not None:
+        cls = actor_class.options(num_cpus=num_cpus, num_gpus=num_gpus)
+    else:
+        cls = _vision_actor(num_cpus, num_gpus)
+    pool = [cls.remote(model, device, *actor_args) for _ in range(actors)]
     ray.get([actor.run.remote(blocks[k % len(blocks)]) for k, actor in enumerate(pool)])  # warm-up
     started = time.perf_counter()
     pending: list = []

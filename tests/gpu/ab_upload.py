@@ -8,13 +8,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import ray
 
 sys.path.insert(0, os.getcwd())
 from ingest.offline import build_offline_model_dir  # noqa: E402
-from ingest.vision_bench import decoded_blocks, image_count, shared_gpu_pool  # noqa: E402
+from ingest.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool  # noqa: E402
 
 
 @ray.remote
@@ -34,20 +33,11 @@ class Vision:
 
 
 def rate(refs, images, model, device, actors, pageable, passes):
-    pool_args = shared_gpu_pool(actors) if device == "cuda" else {"num_cpus": 1, "num_gpus": 0}
-    cls = Vision.options(num_cpus=pool_args["num_cpus"], num_gpus=pool_args["num_gpus"])
-    pool = [cls.remote(model, device, pageable) for _ in range(actors)]
-    ray.get([a.run.remote(refs[k % len(refs)]) for k, a in enumerate(pool)])
-    started, pending = time.perf_counter(), []
-    for k, block in enumerate(refs * passes):
-        if len(pending) >= 2 * actors:
-            _, pending = ray.wait(pending, num_returns=1)
-        pending.append(pool[k % actors].run.remote(block))
-    ray.wait(pending, num_returns=len(pending))
-    seconds = time.perf_counter() - started
-    for a in pool:
-        ray.kill(a)
-    return round(images * passes / seconds, 1)
+    pool = shared_gpu_pool(actors) if device == "cuda" else {"actors": actors, "num_cpus": 1, "num_gpus": 0}
+    timing = time_pool(
+        refs, model, **{**pool, "device": device}, passes=passes, actor_class=Vision, actor_args=(pageable,)
+    )
+    return round(images * passes / timing["seconds"], 1)
 
 
 device = os.environ.get("AB_DEVICE", "cuda")
