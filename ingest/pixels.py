@@ -167,8 +167,8 @@ def upload(buffer: np.ndarray, device: str):
     """A 1-D uint8 host array as a tensor on ``device``, in one copy. To CUDA through a reused pinned staging buffer:
     a CPU copy, then one DMA at the link's speed. From pageable memory the driver stages the transfer itself, CPU copy
     and DMA in turn, and the GPU's copy engine is busy all along: 4.5 ms of ~9 ms of GPU time per 100-row block in the
-    H200 profile of ``docs/benchmarks.md``, where several actors share a GPU the time that runs out. (One actor alone
-    gains nothing: the CPU copy is then on its critical path.)"""
+    H200 profile of ``docs/benchmarks.md``. Where several actors share a GPU, that GPU time is what runs out. (One
+    actor alone gains nothing: the CPU copy is then on its critical path.)"""
     import torch
 
     if torch.device(device).type != "cuda":

@@ -13,7 +13,7 @@ import ray
 
 sys.path.insert(0, os.getcwd())
 from ingest.offline import build_offline_model_dir  # noqa: E402
-from ingest.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool  # noqa: E402
+from ingest.vision_bench import CPU_POOL, decoded_blocks, image_count, shared_gpu_pool, time_pool  # noqa: E402
 
 
 @ray.remote
@@ -33,10 +33,8 @@ class Vision:
 
 
 def rate(refs, images, model, device, actors, pageable, passes):
-    pool = shared_gpu_pool(actors) if device == "cuda" else {"actors": actors, "num_cpus": 1, "num_gpus": 0}
-    timing = time_pool(
-        refs, model, **{**pool, "device": device}, passes=passes, actor_class=Vision, actor_args=(pageable,)
-    )
+    pool = shared_gpu_pool(actors) if device == "cuda" else {**CPU_POOL, "actors": actors}
+    timing = time_pool(refs, model, **pool, passes=passes, actor_class=Vision, actor_args=(pageable,))
     return round(images * passes / timing["seconds"], 1)
 
 
