@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -225,6 +227,28 @@ def test_reused_buffers_never_hand_out_a_buffer_still_held():
     sizes = []
     sized = ReusedBuffers(allocate=lambda n: sizes.append(n) or np.empty(n, dtype=np.uint8))
     assert sized.take(1000).size == 1000 and sizes == [1250]  # new buffers come from ``allocate``, with slack
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_reused_buffers_are_private_small_page_memory():
+    """A new ``ReusedBuffers`` buffer is private anonymous memory advised against transparent huge pages (``nh`` in
+    its mapping's VmFlags), where numpy advises huge pages for its own arrays of 4 MB or more."""
+    from ingest.memory import ReusedBuffers
+
+    buffer = ReusedBuffers().take(8 << 20)
+    buffer[::4096] = 1
+    address = buffer.__array_interface__["data"][0]
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms offset dev inode [path]
+            start, end = (int(x, 16) for x in head.split("-"))
+            mapping = line if start <= address < end else None
+        elif mapping and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+            break
+    assert mapping is not None and mapping.split()[1].endswith("p"), mapping  # private, not shared memory
+    assert "nh" in flags and "hg" not in flags
 
 
 def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
