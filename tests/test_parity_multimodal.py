@@ -199,6 +199,63 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
     assert decode_rgb(text_after_pixels)[1]["comment"] == "after the pixels"
 
 
+def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
+    """``stored_png``: the image data inflated by libdeflate and stored uncompressed, every other chunk kept, for
+    every PNG kind (split image data, text after it included); ``decode_rgb`` then gives PIL's pixels and info.
+    Whatever is not sound (a wrong CRC, data that does not inflate to the header's size, interlacing) is left to
+    the decoder as it is, so it accepts or rejects it as PIL does."""
+    import random
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    from ingest.vision import decode_rgb, stored_png
+
+    def pil(data: bytes):
+        with Image.open(io.BytesIO(data)) as image:
+            rgb = image.convert("RGB")
+            return np.asarray(rgb), dict(rgb.info)
+
+    rng = random.Random(12)
+    kinds = {kind: encode_image(*make_image(kind, rng)) for kind in ("png", "gray", "palette", "rgba", "wide")}
+    rgb = kinds["png"]
+    kinds["16-bit"] = encode_image(Image.fromarray(np.full((30, 41), 300, dtype=np.uint16)), "PNG")
+    kinds["1-bit"] = encode_image(Image.fromarray(np.eye(29, dtype=bool)), "PNG")
+    chunks = _png_chunks(rgb)
+    data = b"".join(p for k, p in chunks if k == b"IDAT")
+    thirds = [data[: len(data) // 3], data[len(data) // 3 : 2 * len(data) // 3], data[2 * len(data) // 3 :]]
+    kinds["split"] = _png_file([chunks[0], *([b"IDAT", t] for t in thirds), chunks[-1]])
+    kinds["text after"] = _png_file([*chunks[:-1], [b"tEXt", b"comment\x00after"], chunks[-1]])
+    for name, png in kinds.items():
+        stored = stored_png(png)
+        assert stored is not None and [k for k, _ in _png_chunks(stored)].count(b"IDAT") == 1, name
+        assert [c for c in _png_chunks(stored) if c[0] != b"IDAT"] == [c for c in _png_chunks(png) if c[0] != b"IDAT"]
+        ours, theirs = decode_rgb(png), pil(png)
+        assert np.array_equal(ours[0], theirs[0]) and ours[1] == theirs[1], name
+        assert np.array_equal(pil(stored)[0], theirs[0]), name
+    assert decode_rgb(kinds["text after"])[1]["comment"] == "after"
+
+    idat = next(k for k, (kind, _) in enumerate(chunks) if kind == b"IDAT")
+    bad_crc = bytearray(rgb)
+    bad_crc[8 + sum(12 + len(p) for _, p in chunks[: idat + 1]) - 1] ^= 1  # the first IDAT chunk's CRC
+    flipped = bytearray(chunks[idat][1])
+    flipped[len(flipped) // 2] ^= 0x55  # inside the deflate stream, CRC recomputed: inflate or checksum fails
+    bad_data = _png_file([*chunks[:idat], [b"IDAT", bytes(flipped)], *chunks[idat + 1 :]])
+    short = _png_file([*chunks[:idat], [b"IDAT", zlib.compress(zlib.decompress(data)[:-7])], *chunks[idat + 1 :]])
+    interlaced = rgb[:28] + b"\x01" + rgb[29:]
+    for name, png in {"crc": bytes(bad_crc), "data": bad_data, "short": short, "interlaced": interlaced}.items():
+        assert stored_png(png) is None, name
+        try:
+            expected = pil(png)
+        except Exception as error:  # PIL rejects it: so does decode_rgb
+            with pytest.raises(type(error)):
+                decode_rgb(png)
+        else:
+            assert np.array_equal(decode_rgb(png)[0], expected[0]), name
+    assert struct.unpack_from(">I", stored_png(rgb), 8)[0] == 13  # IHDR first, untouched
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
     """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo (a different IDCT and chroma upsampling): the grids

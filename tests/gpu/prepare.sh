@@ -23,7 +23,7 @@ if [ ! -f "$G/ray-strip.tar.xz" ]; then
   mv /tmp/gpu-prepare/ray-strip.tar.xz "$G/"
 fi
 # what Ray and the pipeline import that the GPU image lacks (pydantic pins its core)
-download -d "$G/whl" pyspng==0.1.4 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+download -d "$G/whl" pyspng==0.1.4 deflate==0.9.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
   rpds-py==2026.9.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0
 rm -rf "$G/model" && cp -a "$("$PY" -c 'from ingest.offline import build_offline_model_dir as b; print(b())')" "$G/model"

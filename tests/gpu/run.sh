@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc; free -g | head -2; df -h /dev/shm | tail -1
 python3 - <<'PY'
 import importlib
-for m in ["ray", "pyarrow", "numpy", "torch", "torchvision", "transformers", "tokenizers", "PIL", "pandas", "pyspng"]:
+for m in ["ray", "pyarrow", "numpy", "torch", "torchvision", "transformers", "tokenizers", "PIL", "pandas", "pyspng", "deflate"]:
     try:
         print(m, importlib.import_module(m).__version__)
     except Exception as e:
