@@ -11,6 +11,7 @@ straight into one output tensor. Processor configs with other options go through
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -218,18 +219,37 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
     if patches.device.type == "cpu":
         # numpy's ufuncs on a ``PIXEL_VALUES`` buffer: the same IEEE float32 ops, on one thread. torch's CPU kernels
         # would fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a
-        # third more CPU for the collate on 2 cores).
+        # third more CPU for the collate on 2 cores). A few hundred patches at a time through a cache-sized scratch,
+        # each normalized once and then copied into every frame: one pass over the output instead of three.
         out = torch.from_numpy(PIXEL_VALUES.take(4 * int(np.prod(shape)))).view(torch.float32).view(shape)
-        values = out.numpy()
-        np.copyto(values, patches.numpy().reshape(n, channels, 1, p * p), casting="unsafe")
-        np.subtract(values, np.asarray(mean, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
-        np.divide(values, np.asarray(std, dtype=np.float32).reshape(1, channels, 1, 1), out=values)
+        values, source = out.numpy(), patches.numpy().reshape(n, channels, p * p)
+        mean_, std_ = (np.asarray(x, dtype=np.float32).reshape(1, channels, 1) for x in (mean, std))
+        step = max(1, _NORMALIZE_CHUNK // (channels * p * p))
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            scratch = _float_scratch((end - start) * channels * p * p).reshape(end - start, channels, p * p)
+            np.copyto(scratch, source[start:end], casting="unsafe")
+            np.subtract(scratch, mean_, out=scratch)
+            np.divide(scratch, std_, out=scratch)
+            np.copyto(values[start:end], scratch[:, :, None, :])
     else:
         out = torch.empty(shape, dtype=torch.float32, device=patches.device)
         out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
         out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
         out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
     return out.view(n, channels * t * p * p)
+
+
+_NORMALIZE_CHUNK = 1 << 17  # float32 values per ``normalize_patches`` step: 512 KB, within a core's L2 cache
+_SCRATCH = threading.local()  # the collate may run in several threads at once
+
+
+def _float_scratch(size: int) -> np.ndarray:
+    """This thread's float32 scratch of at least ``size`` values."""
+    scratch = getattr(_SCRATCH, "values", None)
+    if scratch is None or scratch.size < size:
+        scratch = _SCRATCH.values = np.empty(max(size, _NORMALIZE_CHUNK), dtype=np.float32)
+    return scratch[:size]
 
 
 def resize_bicubic(images, height: int, width: int, native_uint8: bool | None = None):

@@ -321,6 +321,23 @@ def test_consumer_pixel_values_reuse_only_buffers_nothing_holds(monkeypatch):
     assert any(b.ctypes.data == small for b in pool._buffers)
 
 
+def test_consumer_normalize_is_bit_equal_across_its_chunks():
+    """The CPU normalize goes a few hundred patches at a time (``_NORMALIZE_CHUNK``), normalizing each once and
+    copying it into both frames: bit-equal to (x - mean) / std in float32 over the repeated frames, at and around
+    the chunk boundaries."""
+    from ingest.pixels import _NORMALIZE_CHUNK, normalize_patches
+
+    rng = np.random.default_rng(2)
+    mean, std = (122.7, 116.7, 104.1), (68.5, 66.6, 70.3)
+    step = _NORMALIZE_CHUNK // (3 * 14 * 14)
+    for n in (1, step - 1, step, step + 1, 3 * step + 5):
+        patches = rng.integers(0, 256, (n, 3, 14, 14), dtype=np.uint8)
+        frames = np.repeat(patches.reshape(n, 3, 1, 196).astype(np.float32), 2, axis=2)
+        expected = (frames - np.float32(mean).reshape(1, 3, 1, 1)) / np.float32(std).reshape(1, 3, 1, 1)
+        got = normalize_patches(patches, mean, std, 2).numpy()
+        assert got.shape == (n, 3 * 2 * 196) and got.tobytes() == expected.reshape(n, -1).tobytes(), n
+
+
 _FREED_HEAP_PROBE = """
 import ctypes
 from ingest.memory import keep_freed_heap
