@@ -88,11 +88,12 @@ class ReusedBuffers:
 
 
 def _pageable(nbytes: int) -> np.ndarray:
-    """A 1-D uint8 array of ``nbytes`` on its own anonymous mapping, in small pages. numpy advises transparent huge
-    pages for every array of 4 MB or more; a first touch of a huge page then has the kernel find (often compact) 2 MB
-    of contiguous memory. These buffers are touched once per process and then reused, so that saving never comes
-    back: on the VM of ``docs/benchmarks.md`` 512 MB took 1.1-1.2 s to first touch in huge pages against 0.2 s in
-    small pages, and ``bench mm`` ran ~10% faster with small pages (the consumer's system time halved)."""
+    """A 1-D uint8 array of ``nbytes`` on its own private anonymous mapping, in small pages. numpy advises
+    transparent huge pages for every array of 4 MB or more, and a first touch of a huge page has the kernel find
+    (often compact) 2 MB of contiguous memory. Huge pages pay off for memory faulted again and again; these buffers
+    are faulted once per process, then reused. On the VM of ``docs/benchmarks.md`` 512 MB took 1.1-1.2 s to first
+    touch in huge pages against 0.2 s in small pages, and a session's first ``bench mm`` run halved the consumer's
+    system time with small pages."""
     import mmap
 
     if nbytes == 0:
