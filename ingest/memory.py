@@ -96,8 +96,8 @@ def _pageable(nbytes: int) -> np.ndarray:
     system time with small pages."""
     import mmap
 
-    if nbytes == 0:
-        return np.empty(0, dtype=np.uint8)
+    if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # nothing to map; Windows: no such mapping flags
+        return np.empty(nbytes, dtype=np.uint8)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: anonymous memory, not shmem
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping keeps the system's default
         mapping.madvise(mmap.MADV_NOHUGEPAGE)
