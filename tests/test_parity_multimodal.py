@@ -163,6 +163,15 @@ def _png_file(chunks: list[list[bytes]]) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + b"".join(body)
 
 
+def _pil_rgb(data: bytes):
+    """What verl gets: PIL's ``convert("RGB")`` pixels and ``info``."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = image.convert("RGB")
+        return np.asarray(rgb), dict(rgb.info)
+
+
 def test_png_fast_decode_gives_pils_pixels_and_info():
     """8-bit RGB / RGBA PNGs decode with libspng; everything else, and whatever libspng refuses, with PIL. Either
     way the pixels and ``info`` are what PIL's ``convert("RGB")`` gives (what verl gets)."""
@@ -171,11 +180,6 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
     from PIL import Image
 
     from ingest.vision import decode_rgb, plain_png
-
-    def pil(data: bytes):
-        with Image.open(io.BytesIO(data)) as image:
-            rgb = image.convert("RGB")
-            return np.asarray(rgb), dict(rgb.info)
 
     rng = random.Random(11)
     buf = io.BytesIO()
@@ -193,7 +197,7 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
     cases = {"rgb": rgb, "rgba": rgba, "text": text_after_pixels, "unknown": unknown_chunk, "gamma": gamma}
     cases["16-bit"] = deep
     for name, data in cases.items():
-        ours, theirs = decode_rgb(data), pil(data)
+        ours, theirs = decode_rgb(data), _pil_rgb(data)
         assert ours[0].dtype == np.uint8 and np.array_equal(ours[0], theirs[0]), name
         assert ours[1] == theirs[1], name
     assert decode_rgb(text_after_pixels)[1]["comment"] == "after the pixels"
@@ -212,11 +216,6 @@ def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
 
     from ingest.vision import decode_rgb, stored_png
 
-    def pil(data: bytes):
-        with Image.open(io.BytesIO(data)) as image:
-            rgb = image.convert("RGB")
-            return np.asarray(rgb), dict(rgb.info)
-
     rng = random.Random(12)
     kinds = {kind: encode_image(*make_image(kind, rng)) for kind in ("png", "gray", "palette", "rgba", "wide")}
     rgb = kinds["png"]
@@ -231,9 +230,9 @@ def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
         stored = stored_png(png)
         assert stored is not None and [k for k, _ in _png_chunks(stored)].count(b"IDAT") == 1, name
         assert [c for c in _png_chunks(stored) if c[0] != b"IDAT"] == [c for c in _png_chunks(png) if c[0] != b"IDAT"]
-        ours, theirs = decode_rgb(png), pil(png)
+        ours, theirs = decode_rgb(png), _pil_rgb(png)
         assert np.array_equal(ours[0], theirs[0]) and ours[1] == theirs[1], name
-        assert np.array_equal(pil(stored)[0], theirs[0]), name
+        assert np.array_equal(_pil_rgb(stored)[0], theirs[0]), name
     assert decode_rgb(kinds["text after"])[1]["comment"] == "after"
 
     idat = next(k for k, (kind, _) in enumerate(chunks) if kind == b"IDAT")
@@ -247,7 +246,7 @@ def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
     for name, png in {"crc": bytes(bad_crc), "data": bad_data, "short": short, "interlaced": interlaced}.items():
         assert stored_png(png) is None, name
         try:
-            expected = pil(png)
+            expected = _pil_rgb(png)
         except Exception as error:  # PIL rejects it: so does decode_rgb
             with pytest.raises(type(error)):
                 decode_rgb(png)
