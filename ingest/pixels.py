@@ -22,6 +22,11 @@ import numpy as np
 from ingest.memory import ReusedBuffers, pinned_or_pageable
 from ingest.vision import VisionSpec, image_grid, image_processor_config
 
+try:  # the C resize (ingest/_resize.c), built by ``pip install``; without it the CPU path runs torch's kernel
+    from ingest import _resize
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _resize = None
+
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
 DEVICE_PATCHES = ReusedBuffers(allocate=pinned_or_pageable)  # a device's patches copied back (``host_array``)
@@ -79,12 +84,12 @@ class ImagePixels:
     @cached_property
     def norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(mean, std) as the float32 values the normalize divides by: transformers fuses rescale into normalize
-        (mean / rescale_factor, std / rescale_factor) and normalizes the float image, (x - mean) / std."""
-        import torch
-
-        scale = 1.0 / self.rescale_factor
-        mean = torch.tensor(self.image_mean) * scale
-        std = torch.tensor(self.image_std) * scale
+        (mean / rescale_factor, std / rescale_factor) and normalizes the float image, (x - mean) / std. Its
+        ``torch.tensor(mean) * scale`` is a float32 product (torch casts the Python scalar to the tensor's type), as
+        here."""
+        scale = np.float32(1.0 / self.rescale_factor)
+        mean = np.asarray(self.image_mean, dtype=np.float32) * scale
+        std = np.asarray(self.image_std, dtype=np.float32) * scale
         return tuple(mean.tolist()), tuple(std.tolist())
 
     def __call__(
@@ -101,15 +106,20 @@ class ImagePixels:
         """(H, W, 3) uint8 RGB arrays (or (3, H, W) uint8 tensors) -> (uint8 patches (patches, C, P, P) on ``device``
         in the processor's patch order, ``image_grid_thw`` int64). ``normalize_patches`` turns them into
         ``pixel_values``: blocks carry these, an eighth of the float32 bytes (one frame instead of
-        ``temporal_patch_size``, one byte per value)."""
-        import torch
-
+        ``temporal_patch_size``, one byte per value). On the CPU, for numpy images with the uint8 kernel, the
+        patches are a numpy array from ``ingest._resize`` (the same bytes, without importing torch) where it was
+        built; a torch tensor otherwise."""
         spec = self.spec
         p, m = spec.patch_size, spec.merge_size
         shapes = [im.shape[:2] if isinstance(im, np.ndarray) else im.shape[1:] for im in images]  # (H, W)
         grids = np.array([image_grid(w, h, spec) for h, w in shapes], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
         shape = (int(counts.sum()), 3, p, p)
+        if _resize is not None and device == "cpu" and native_uint8 is not False:
+            if all(isinstance(im, np.ndarray) for im in images):
+                return _compiled_patches(images, grids, shape, p, m), grids
+        import torch
+
         if torch.device(device).type == "cpu":  # the block's patches: the last block's buffer once Ray has stored it
             out = torch.from_numpy(PATCHES.take(int(np.prod(shape)))).view(shape)
         else:  # host_array copies them back into such a buffer
@@ -126,10 +136,26 @@ class ImagePixels:
         return out, grids
 
 
+def _compiled_patches(images: list[np.ndarray], grids: np.ndarray, shape: tuple, p: int, m: int) -> np.ndarray:
+    """``ImagePixels.patches`` on the CPU through ``ingest._resize``: torch's uint8 resize kernel to the bit, each
+    image's patches written straight into the block's ``PATCHES`` buffer, and no torch import."""
+    out = PATCHES.take(int(np.prod(shape)))
+    start = 0
+    for image, (_, gh, gw) in zip(images, grids.tolist(), strict=True):
+        h, w = image.shape[:2]
+        end = start + gh * gw * 3 * p * p
+        _resize.resize_patches(np.ascontiguousarray(image), h, w, out[start:end], gh * p, gw * p, p, m)
+        start = end
+    return out.reshape(shape)
+
+
 def host_array(patches) -> np.ndarray:
     """uint8 patches as a numpy array in host memory: CPU tensors as they are (``patches`` wrote them into a
-    ``PATCHES`` buffer); a device's copied into a ``DEVICE_PATCHES`` buffer: pinned where CUDA is (one DMA, no
-    staging copy), and the last block's once Ray has stored it (pinning is slow; fresh pages are dear)."""
+    ``PATCHES`` buffer, as it does its numpy arrays); a device's copied into a ``DEVICE_PATCHES`` buffer: pinned where
+    CUDA is (one DMA, no staging copy), and the last block's once Ray has stored it (pinning is slow; fresh pages are
+    dear)."""
+    if isinstance(patches, np.ndarray):
+        return patches
     import torch
 
     if patches.device.type == "cpu":

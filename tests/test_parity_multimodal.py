@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -84,7 +85,7 @@ def test_gpu_vision_actor_is_schedulable_and_matches_cpu(ray_session, geo3k_file
 
 def test_jpegs_decoded_by_the_vision_actor_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm):
     """``vision_decode_jpeg_on_device``: baseline JPEGs skip the decode stage and are decoded in the (GPU-scheduled)
-    vision actor by torchvision on its device; on the CPU that is libjpeg-turbo, the same pixels as PIL: verl's rows."""
+    vision actor on its device (torchvision's nvJPEG on cuda); on the CPU that is PIL: verl's rows."""
     expected = oracle_mm[0]
     assert "error" not in expected, expected.get("error")
     config = {"vision_num_gpus": 0.5, "vision_pool_max_size": 1, "vision_device": "cpu"}
@@ -318,6 +319,60 @@ def test_pixel_ops_equal_transformers_image_processor(model_dir):
     )
     assert np.array_equal(grids, theirs["image_grid_thw"].numpy())
     assert np.array_equal(ours, theirs["pixel_values"].numpy())
+
+
+def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
+    """``ingest._resize`` (the CPU path's resize without torch) gives torch's uint8 antialiased bicubic kernel and the
+    processor's patch order to the bit: noise, flat colours and sharp edges, shrunk and enlarged, one side only or
+    neither, one-pixel and thin images."""
+    from ingest import pixels as pixel_ops
+
+    assert pixel_ops._resize is not None, "ingest._resize was not built: pip install needs a C compiler"
+    pixels = pixel_ops.ImagePixels.from_dir(model_dir)
+    rng = np.random.default_rng(5)
+    shapes = [(1, 1), (28, 28), (56, 84), (3, 500), (500, 3), (2000, 900), (1100, 1400), (28, 901), (4000, 30)]
+    shapes += [(int(rng.integers(7, 1300)), int(rng.integers(7, 1300))) for _ in range(40)]
+    for k, (h, w) in enumerate(shapes):
+        if k % 3 == 0:
+            image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        elif k % 3 == 1:
+            image = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (h, w, 3)).copy()
+        else:
+            y, x = np.mgrid[0:h, 0:w]
+            image = np.stack([x * 7 % 256, y * 3 % 256, (x // 9 + y // 9) % 2 * 255], -1).astype(np.uint8)
+        ours, grids = pixels.patches([image])
+        assert isinstance(ours, np.ndarray)
+        theirs, their_grids = pixels.patches([torch.from_numpy(image).permute(2, 0, 1)])  # a tensor: torch's kernel
+        assert np.array_equal(grids, their_grids)
+        assert np.array_equal(ours, theirs.numpy()), (h, w)
+
+
+def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
+    """Decode and the CPU vision stage (``vision_device: auto`` in an actor Ray gave no GPU) never import torch:
+    seconds of each actor's start-up. Checked in a new worker process (its own runtime env)."""
+
+    @ray.remote(num_cpus=0.5, runtime_env={"env_vars": {"INGEST_TEST_FRESH_WORKER": "1"}})
+    class Probe:
+        def run(self, model: str) -> tuple[str, bool, bool]:
+            from PIL import Image
+
+            from ingest.stages.vision import VisionStage
+            from ingest.vision import VisionSpec, decode_rgb, image_grid
+
+            fresh = "torch" not in sys.modules
+            buffer = io.BytesIO()
+            Image.new("RGB", (300, 200), (10, 200, 30)).save(buffer, format="PNG")
+            stage = VisionStage(model, "auto")
+            grid = list(image_grid(300, 200, VisionSpec.from_dir(model)))
+            values, _ = stage._image_inputs([[decode_rgb(buffer.getvalue())[0]]], pa.chunked_array([[[grid]]]))
+            assert values[0].as_py()["shape"][0] == grid[1] * grid[2]
+            return stage.device, fresh, "torch" in sys.modules
+
+    probe = Probe.remote()
+    try:
+        assert ray.get(probe.run.remote(str(model_dir)), timeout=120) == ("cpu", True, False)
+    finally:
+        ray.kill(probe)
 
 
 def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model_dir):

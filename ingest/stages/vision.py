@@ -15,6 +15,7 @@ row by the grids, which must equal the ones the tokenize stage derived from head
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -248,9 +249,10 @@ def limit_torch_threads() -> None:
     """Hold torch's CPU thread pool to the actor's CPU share. Ray sets ``OMP_NUM_THREADS`` per task and actor (1
     for a fractional CPU) and torch follows it when first imported there; in a worker that imported torch earlier (a
     cluster started with ``RAY_preload_python_modules`` naming torch) the pool spans every core, and its OpenMP
-    threads spin-wait on the cores the other stages' actors need (+2 s of CPU per 1,000 rows in ``bench mm``)."""
+    threads spin-wait on the cores the other stages' actors need (+2 s of CPU per 1,000 rows in ``bench mm``).
+    Where torch is not imported yet this leaves it so (the CPU image path may never need it)."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
         import torch
 
         if torch.get_num_threads() != int(threads):
@@ -260,7 +262,10 @@ def limit_torch_threads() -> None:
 def decode_jpegs(jpegs: list[bytes], device: str) -> list:
     """JPEG bytes -> (3, H, W) uint8 RGB tensors on ``device``: one batched ``torchvision.io.decode_jpeg`` call
     (nvJPEG on cuda). Where the device decoder refuses an image, PIL decodes it on the CPU (then uploaded); where
-    PIL fails too, that image's entry is the exception (the caller makes its row a bad row)."""
+    PIL fails too, that image's entry is the exception (the caller makes its row a bad row). On the CPU, PIL's
+    (H, W, 3) arrays (``decode_rgb``, the decode stage's decoder: the same pixels, and no torch import)."""
+    if device == "cpu":
+        return [_pil_jpeg(jpeg) for jpeg in jpegs]
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -282,12 +287,35 @@ def decode_jpegs(jpegs: list[bytes], device: str) -> list:
         return out
 
 
+def _pil_jpeg(jpeg: bytes):
+    try:
+        return decode_rgb(jpeg)[0]
+    except Exception as exc:
+        return exc
+
+
 def resolve_device(device: str) -> str:
+    """``auto``: cuda where this process can use a GPU, else cpu. In a Ray actor that Ray gave no GPU the answer is
+    cpu without importing torch (seconds of an actor's start-up that the CPU image path never needs); elsewhere
+    torch's answer."""
     if device != "auto":
         return device
+    if _ray_actor_gpu_ids() == []:
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ray_actor_gpu_ids() -> list[str] | None:
+    """The GPU ids Ray assigned to the current actor; None outside a Ray actor."""
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return None
+    return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
 
 
 class VisionStage:
@@ -315,8 +343,8 @@ class VisionStage:
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
         self.pixels = ImagePixels.from_dir(processor_path)
-        if self.pixels is not None:  # the torch import and first-call set-up here, not in the first batch
-            self.pixels([np.zeros((28, 28, 3), dtype=np.uint8)], self.device)
+        if self.pixels is not None:  # first-call set-up (the torch import, where the device needs it) here
+            self.pixels.patches([np.zeros((28, 28, 3), dtype=np.uint8)], self.device)
         self._image_processor = None if self.pixels is not None else self._load_image_processor()
         self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
@@ -447,7 +475,7 @@ class VisionStage:
 
     def _decode_deferred(self, table: pa.Table) -> tuple[StageResult, dict[int, object], dict[tuple, object]]:
         """Decode the media the decode stage left encoded. JPEGs: one batched call on ``device`` (nvJPEG through
-        torchvision on cuda; libjpeg-turbo on the CPU, the same pixels as PIL there). Video files: ``decode_video_file``
+        torchvision on cuda; PIL on the CPU, the decode stage's decoder). Video files: ``decode_video_file``
         (torchcodec on cuda where it loads, else PyAV). A row with a JPEG that neither the device decoder nor PIL
         decodes, or a video that does not decode, is a bad row: ``BadRowError`` naming file and row (``on_bad_row:
         raise``) or a quarantine record. The JPEGs' RGB goes into ``multi_modal_data`` (a copy to the host); the device
@@ -488,7 +516,10 @@ class VisionStage:
         images = contiguous(table.column(MULTI_MODAL_DATA))
         offsets, first = images.offsets.to_pylist(), images.offsets[0].as_py()
         positions = [offsets[i] + j - first for i, j in jpeg_places]
-        host = {p: tensor.permute(1, 2, 0).cpu().numpy() for p, tensor in zip(positions, decoded, strict=True)}
+        host = {
+            p: image if isinstance(image, np.ndarray) else image.permute(1, 2, 0).cpu().numpy()
+            for p, image in zip(positions, decoded, strict=True)
+        }
         if host:
             table = table.set_column(
                 table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, with_rgb(images, host)
@@ -508,7 +539,8 @@ class VisionStage:
     ) -> tuple[pa.Array, pa.Array]:
         """One pixel call over every image of the batch -> per-row ``pixel_values`` / ``image_grid_thw`` records
         (uint8 patches for the consumer to normalize where our torch ops serve the processor, see ``PIXELS_STRUCT``).
-        ``on_device``: (3, H, W) tensors already on ``device`` for some images, by position in the batch."""
+        ``on_device``: (3, H, W) tensors already on ``device`` (on the CPU, (H, W, 3) arrays) for some images, by
+        position in the batch."""
         flat = [image for row in images if row for image in row]
         for position, tensor in (on_device or {}).items():
             flat[position] = tensor
