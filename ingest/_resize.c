@@ -42,10 +42,12 @@ static double cubic_filter(double x) {
     return 0.0;
 }
 
-static void axis_free(Axis *axis) {
+static void axis_free(Axis *axis) { /* safe to call twice */
     free(axis->first);
     free(axis->count);
     free(axis->weights);
+    axis->first = axis->count = NULL;
+    axis->weights = NULL;
 }
 
 /* _compute_index_ranges_int16_weights(antialias=True, align_corners=False, no scale given). */
@@ -192,6 +194,7 @@ static int resize_into(const uint8_t *in, int in_h, int in_w, uint8_t *patches, 
     Axis across = {0}, down = {0};
     if ((need_h && axis_init(&across, in_w, out_w)) || (need_v && axis_init(&down, in_h, out_h))) {
         axis_free(&across);
+        axis_free(&down);
         return -1;
     }
     const size_t row = (size_t)out_w * 3;

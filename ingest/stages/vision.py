@@ -278,16 +278,15 @@ def decode_jpegs(jpegs: list[bytes], device: str) -> list:
             try:
                 out.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device))
             except RuntimeError:
-                try:
-                    rgb = decode_rgb(jpeg)[0]
-                except Exception as exc:
-                    out.append(exc)
-                    continue
-                out.append(torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(device))
+                rgb = _pil_jpeg(jpeg)
+                if not isinstance(rgb, Exception):
+                    rgb = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(device)
+                out.append(rgb)
         return out
 
 
 def _pil_jpeg(jpeg: bytes):
+    """PIL's (H, W, 3) RGB of a JPEG (the decode stage's decoder), or the exception that stopped it."""
     try:
         return decode_rgb(jpeg)[0]
     except Exception as exc:
