@@ -347,6 +347,23 @@ def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
         assert np.array_equal(ours, theirs.numpy()), (h, w)
 
 
+def test_cpu_path_without_the_compiled_resize_gives_the_same_patches(model_dir, monkeypatch):
+    """Where ``ingest._resize`` was not built (no C compiler at install), the CPU path runs torch's kernel: the same
+    patches, and the vision stage's records are byte-equal."""
+    from ingest import pixels as pixel_ops
+    from ingest.stages.vision import VisionStage
+
+    rgbs = _sample_rgbs()
+    stage = VisionStage(model_dir, "cpu")
+    grids = [[list(g)] for g in stage.pixels.patches(rgbs)[1].tolist()]
+    compiled = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
+    monkeypatch.setattr(pixel_ops, "_resize", None)
+    patches, _ = stage.pixels.patches(rgbs)
+    assert isinstance(patches, torch.Tensor)
+    fallback = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
+    assert fallback == compiled
+
+
 def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
     """Decode and the CPU vision stage (``vision_device: auto`` in an actor Ray gave no GPU) never import torch:
     seconds of each actor's start-up. Checked in a new worker process (its own runtime env)."""
