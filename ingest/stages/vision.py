@@ -312,9 +312,12 @@ def _ray_actor_gpu_ids() -> list[str] | None:
         return None
     import ray
 
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    if not ray.is_initialized():
         return None
-    return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return None
+    return list(context.get_accelerator_ids().get("GPU", []))
 
 
 class VisionStage:
