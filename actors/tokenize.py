@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import partial
 
 import pyarrow as pa
 
@@ -26,6 +25,7 @@ class TokenizeActor:
         ledger=None,
         keep_provenance: bool = False,
         decode: bool = False,
+        vision_stage: dict | None = None,
     ):
         cfg = DataConfig(**config)
         use_arrow_memory_pool(cfg.arrow_memory_pool)
@@ -34,13 +34,17 @@ class TokenizeActor:
         self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)
         self.ledger = ledger
         self.batch_size = cfg.tokenizer_batch_size
-        self.decode = None
-        if decode:  # the decode stage in this actor (no decode pool): one process and one pixel copy fewer
-            from ingest.stages.vision import DecodeStage, decode_block
+        self.steps = []
+        if decode or vision_stage is not None:  # later stages without a pool of their own run here (fused_steps)
+            from ingest.stages.vision import fused_steps
 
-            self.decode = partial(decode_block, DecodeStage.from_config(config, files, keep_provenance), ledger=ledger)
+            self.steps = fused_steps(config, files, keep_provenance, ledger, decode=decode, vision=vision_stage)
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
         tables = stage_unit(self.stage, unit, self.batch_size, self.ledger)
+        if not self.steps:
+            return tables
+        from ingest.stages.vision import run_steps
+
         # a generator, not a map object: Ray Data takes generators (and tables) as a UDF's output
-        return tables if self.decode is None else (self.decode(table) for table in tables)
+        return (run_steps(self.steps, table) for table in tables)

@@ -8,17 +8,25 @@ import pyarrow as pa
 
 from ingest.memory import DEFAULT_ARROW_MEMORY_POOL, use_arrow_memory_pool
 from ingest.offline import resolve_model_path
-from ingest.stages.vision import DecodeStage, VisionStage, counted_block, decode_block
+from ingest.stages.vision import VisionStage, fused_steps, run_steps, vision_block
 
 
 class DecodeActor:
-    def __init__(self, config: dict, files: Sequence[str], ledger=None, keep_provenance: bool = False):
+    """The decode stage; with ``vision_stage`` (``vision_pool_max_size: 0``) the vision stage after it, here."""
+
+    def __init__(
+        self,
+        config: dict,
+        files: Sequence[str],
+        ledger=None,
+        keep_provenance: bool = False,
+        vision_stage: dict | None = None,
+    ):
         use_arrow_memory_pool(config.get("arrow_memory_pool", DEFAULT_ARROW_MEMORY_POOL))
-        self.stage = DecodeStage.from_config(config, files, keep_provenance)
-        self.ledger = ledger
+        self.steps = fused_steps(config, files, keep_provenance, ledger, decode=True, vision=vision_stage)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return decode_block(self.stage, batch, self.ledger)
+        return run_steps(self.steps, batch)
 
 
 class VisionActor:
@@ -38,5 +46,4 @@ class VisionActor:
         self.ledger = ledger
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        # counts only for rows whose media this stage decoded (vision_decode_*_on_device); none otherwise
-        return counted_block(self.stage.process, batch, self.ledger, "vision", skip_empty=True)
+        return vision_block(self.stage, batch, self.ledger)

@@ -20,13 +20,20 @@ import pyarrow.parquet as pq
 
 BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
 BATCH_SIZE = 64
-# Image prompts on 2 cores: one actor per pool. The default 1..2 per pool lets Ray Data start up to four actors there,
-# and the late ones spend seconds importing torch while the machine is saturated. Two layouts, both measured in one
-# run against one verl run: the decode pool (tokenize, decode and vision actors; the default layout) and
-# ``decode_pool_max_size: 0`` (the tokenizer actors decode: one process and one copy of the pixels fewer).
+# Image prompts on 2 cores, three layouts, each measured in one run against one verl run (in this order by default):
+# ``one_pool``: decode and vision in the tokenizer actors (``decode_pool_max_size`` and ``vision_pool_max_size`` 0),
+# two of them, one per core, each taking whole units through every stage; ``decode_in_tokenizer``: one tokenizer actor
+# that decodes, one vision actor; ``decode_pool``: the default three pools, one actor each (the default 1..2 per pool
+# would start up to six processes on the 2 cores).
 MM_LAYOUTS = {
-    "decode_pool": {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 1, "vision_pool_max_size": 1},
+    "one_pool": {
+        "tokenizer_pool_min_size": 2,
+        "tokenizer_pool_max_size": 2,
+        "decode_pool_max_size": 0,
+        "vision_pool_max_size": 0,
+    },
     "decode_in_tokenizer": {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 0, "vision_pool_max_size": 1},
+    "decode_pool": {"tokenizer_pool_max_size": 1, "decode_pool_max_size": 1, "vision_pool_max_size": 1},
 }
 
 
@@ -183,7 +190,7 @@ def _compare(
     entry: dict = {"order": list(layouts)}
     for (ours_key, _), pools in zip(keys, layouts.values(), strict=True):
         if warm_workers:
-            _prestart_workers(2 if pools.get("decode_pool_max_size") == 0 else 3)
+            _prestart_workers(sum(pools.get(f"{pool}_pool_max_size", 1) for pool in ("tokenizer", "decode", "vision")))
         _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
         entry[ours_key] = run_ours(files, model, {**config, **pools}, processor=processor)
     if not skip_verl:
@@ -207,7 +214,7 @@ def bench_mm(
     layouts: Sequence[str] = tuple(MM_LAYOUTS),
 ) -> dict:
     """geo3k-shaped rows (one or two 28..900 px images each, 8 image kinds), processor path, filter on.
-    The ``MM_LAYOUTS`` named in ``layouts``, in that order (``ours``: the decode pool; ``ours_decode_in_tokenizer``),
+    The ``MM_LAYOUTS`` named in ``layouts``, in that order (``ours``: the decode pool; the others ``ours_<name>``),
     then verl, in one run. Order matters: the first of our runs in a new Ray session writes to object-store pages
     and grows the driver's heap for the first time (docs/benchmarks.md). ``warm_workers``: our actors start in
     prestarted workers that imported Ray Data and torch before the clock (a diagnostic: how much of our time is

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--layouts",
         nargs="+",
-        help="mm only: our layouts to run, in this order (decode_pool decode_in_tokenizer)",
+        help="mm only: our layouts to run, in this order (one_pool decode_in_tokenizer decode_pool)",
     )
     bench.add_argument(
         "--warm-workers",

@@ -79,6 +79,8 @@ class DataConfig:
     decode_pool_max_size: int = 2  # 0: no decode pool, the tokenizer actors decode (fewer processes, small machines)
     decode_num_cpus: float = 0.5
     vision_pool_min_size: int = 1
+    # 0: no vision pool, the actors of the stage before it (decode, or the tokenizer actors when decode_pool_max_size
+    # is 0 too) run the vision stage on their CPU: two processes fewer and one object-store copy of the pixels fewer
     vision_pool_max_size: int = 2
     vision_num_cpus: float = 0.5
     vision_num_gpus: float = 0.0  # > 0 puts the vision pool on GPU actors (fractional allowed)
@@ -111,10 +113,15 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         for pool in ("tokenizer", "decode", "vision"):
             low, high = getattr(self, f"{pool}_pool_min_size"), getattr(self, f"{pool}_pool_max_size")
-            if pool == "decode" and high == 0:  # decode in the tokenizer actors
+            if pool in ("decode", "vision") and high == 0:  # run in the actors of the stage before
                 continue
             if not 1 <= low <= high:
                 raise ValueError(f"need 1 <= {pool}_pool_min_size <= {pool}_pool_max_size, got {low}..{high}")
+        if self.vision_pool_max_size == 0 and self.vision_num_gpus:
+            raise ValueError(
+                "vision_pool_max_size: 0 runs the vision stage in the CPU actors before it; GPU vision actors "
+                f"(vision_num_gpus {self.vision_num_gpus}) need a vision pool (vision_pool_max_size >= 1)"
+            )
         if self.vision_device not in ("auto", "cpu", "cuda") and not self.vision_device.startswith("cuda:"):
             raise ValueError(f"vision_device must be auto, cpu or cuda[:N], got {self.vision_device!r}")
         if self.arrow_memory_pool not in ARROW_MEMORY_POOLS:

@@ -114,7 +114,17 @@ def build_dataset(
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    decode_in_tokenizer = processor is not None and cfg.decode_pool_max_size == 0
+    if processor is None:
+        return read_units_into_pool(
+            plan, cfg, TokenizeActor, tokenizer, None, epoch=epoch, ledger=ledger, keep_provenance=keep_provenance
+        )
+    # a stage whose pool size is 0 runs in the actors of the stage before it (DataConfig.decode_pool_max_size,
+    # vision_pool_max_size): fewer processes and object-store copies of the pixels, for small machines
+    decode_pool, vision_pool = cfg.decode_pool_max_size > 0, cfg.vision_pool_max_size > 0
+    vision = _vision_kwargs(processor, cfg)
+    tokenizer_steps, decode_steps = {"decode": not decode_pool}, {}
+    if not vision_pool:
+        (decode_steps if decode_pool else tokenizer_steps)["vision_stage"] = vision
     ds = read_units_into_pool(
         plan,
         cfg,
@@ -124,29 +134,29 @@ def build_dataset(
         epoch=epoch,
         ledger=ledger,
         keep_provenance=keep_provenance,
-        decode=decode_in_tokenizer,
+        **tokenizer_steps,
     )
-    if processor is None:
-        return ds
     located = {  # what the decode and vision stages need to name, count and quarantine bad media
         "config": cfg.to_dict(),
         "files": [_describe(p) for p in plan.files],
         "ledger": ledger,
         "keep_provenance": keep_provenance,
     }
-    vision_kwargs = {**_vision_kwargs(processor, cfg), **located}
-    if decode_in_tokenizer:  # no decode pool: the tokenizer actors decode (DataConfig.decode_pool_max_size)
-        return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
-    ds = ds.map_batches(
-        DecodeActor,
-        fn_constructor_kwargs=located,
+    if decode_pool:
+        ds = _map_on_decode_pool(ds, cfg, DecodeActor, {**located, **decode_steps})
+    return map_on_vision_pool(ds, cfg, VisionActor, {**vision, **located}) if vision_pool else ds
+
+
+def _map_on_decode_pool(ds: ray.data.Dataset, cfg: DataConfig, actor, constructor_kwargs: dict) -> ray.data.Dataset:
+    return ds.map_batches(
+        actor,
+        fn_constructor_kwargs=constructor_kwargs,
         batch_size=None,  # one whole block per call: the output block stays one Arrow chunk (docs/design.md)
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(min_size=cfg.decode_pool_min_size, max_size=cfg.decode_pool_max_size),
         num_cpus=cfg.decode_num_cpus,
     )
-    return map_on_vision_pool(ds, cfg, VisionActor, vision_kwargs)
 
 
 def _vision_kwargs(processor: str | os.PathLike, cfg: DataConfig) -> dict:

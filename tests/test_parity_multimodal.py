@@ -59,12 +59,31 @@ def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_
     assert_same_batches(_ours(geo3k_files, model_dir, CONFIGS[index]), expected["batches"])
 
 
-def test_decode_in_the_tokenizer_actors_equals_verl(ray_session, geo3k_files, model_dir, oracle_mm):
-    """``decode_pool_max_size: 0``: no decode pool, the tokenizer actors decode; the rows are verl's all the same."""
+# pools of size 0: their stage runs in the actors of the stage before it (the actor pools that remain)
+_FUSED_LAYOUTS = {
+    "decode in the tokenizer actors": ({"decode_pool_max_size": 0}, ["TokenizeActor", "VisionActor"]),
+    "decode and vision in the tokenizer actors": (
+        {"decode_pool_max_size": 0, "vision_pool_max_size": 0},
+        ["TokenizeActor"],
+    ),
+    "vision in the decode actors": (
+        {"decode_pool_max_size": 1, "vision_pool_max_size": 0},
+        ["TokenizeActor", "DecodeActor"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
+def test_stages_in_fewer_pools_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm, layout):
+    """``decode_pool_max_size`` / ``vision_pool_max_size`` 0: the same stages in fewer processes; verl's rows."""
     expected = oracle_mm[0]
     assert "error" not in expected, expected.get("error")
-    ours = _ours(geo3k_files, model_dir, CONFIGS[0], decode_pool_max_size=0)
-    assert_same_batches(ours, expected["batches"])
+    pools, actors = _FUSED_LAYOUTS[layout]
+    config = {**CONFIGS[0], "shuffle": False, **pools}
+    ds = build_dataset(geo3k_files, model_dir, config, processor=model_dir)
+    operators = [op.name for op in ds._logical_plan.dag.post_order_iter()]
+    assert [name.removeprefix("MapBatches(")[:-1] for name in operators[1:]] == actors
+    assert_same_batches(collect(ds, BATCH), expected["batches"])
 
 
 def test_parity_data_covers_the_image_kinds(oracle_mm):
@@ -624,6 +643,10 @@ _CPU_KERNELS = {"vision_device": "cpu"}
 _DECODE_PLACES = {
     "decode pool": (_truncated_media_file, {"decode_pool_max_size": 1}),
     "decode in tokenizer actors": (_truncated_media_file, {"decode_pool_max_size": 0}),
+    "decode and vision in tokenizer actors": (
+        _truncated_media_file,
+        {"decode_pool_max_size": 0, "vision_pool_max_size": 0},
+    ),
     "jpeg decode in the vision actor": (
         _broken_jpeg_file,
         {"vision_decode_jpeg_on_device": True, "vision_num_gpus": 0.5, "vision_pool_max_size": 1, **_CPU_KERNELS},

@@ -140,11 +140,14 @@ def test_config_accepts_dict_dictconfig_and_verl_keys():
     with pytest.raises(ValueError, match="truncation"):
         DataConfig.from_any({"truncation": "sideways"})
     assert DataConfig(decode_pool_max_size=0).decode_pool_max_size == 0  # no decode pool: tokenizer actors decode
-    for pool in ("tokenizer", "vision"):
+    assert DataConfig(vision_pool_max_size=0).vision_pool_max_size == 0  # no vision pool: the actors before it
+    with pytest.raises(ValueError, match="tokenizer_pool_min_size"):
+        DataConfig(tokenizer_pool_max_size=0)
+    for pool in ("decode", "vision"):
         with pytest.raises(ValueError, match=f"{pool}_pool_min_size"):
-            DataConfig(**{f"{pool}_pool_max_size": 0})
-    with pytest.raises(ValueError, match="decode_pool_min_size"):
-        DataConfig(decode_pool_max_size=-1)
+            DataConfig(**{f"{pool}_pool_max_size": -1})
+    with pytest.raises(ValueError, match="need a vision pool"):
+        DataConfig(vision_pool_max_size=0, vision_num_gpus=0.5)
 
 
 def test_collate_defaults_and_one_dimensional_arrays():

@@ -141,6 +141,8 @@ def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, te
         build_sft_dataset(_write(tmp_path / "other.parquet", [{"text": "x"}]), model_dir, BASE)
     with pytest.raises(SourceError, match="completion"):
         build_sft_dataset(_write(tmp_path / "half.parquet", [{"prompt": "x"}]), model_dir, BASE)
+    with pytest.raises(ValueError, match="vision_pool_max_size"):  # build_dataset's fused layout only
+        build_sft_dataset(files[0], model_dir, {**BASE, "vision_pool_max_size": 0})
 
 
 def test_packing_seq_lens_and_collate(ray_session, model_dir, text_files, text_conversations, text_renderer):

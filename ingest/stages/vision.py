@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +32,7 @@ from ingest.accounting import (
     row_error,
 )
 from ingest.errors import BadRowError
+from ingest.offline import resolve_model_path
 from ingest.pixels import ImagePixels, host_array
 from ingest.video import decode_video_file, decode_video_frames, resize_frames
 from ingest.vision import (
@@ -233,6 +235,46 @@ def _sampled_frames(plan: dict) -> dict:
 def decode_block(stage: DecodeStage, table: pa.Table, ledger=None) -> pa.Table:
     """``stage`` over one block, its counts reported to ``ledger`` once per block (keyed by the block's first row)."""
     return counted_block(stage, table, ledger, "decode")
+
+
+def vision_block(stage: VisionStage, table: pa.Table, ledger=None) -> pa.Table:
+    """``stage`` over one block; counts only for rows whose media it decoded (``vision_decode_*_on_device``)."""
+    return counted_block(stage.process, table, ledger, "vision", skip_empty=True)
+
+
+def fused_steps(
+    config: dict,
+    files: Sequence[str],
+    keep_provenance: bool,
+    ledger=None,
+    *,
+    decode: bool = False,
+    vision: dict | None = None,
+) -> list[Callable[[pa.Table], pa.Table]]:
+    """The later stages an actor runs on each of its output blocks, in order, where their pools are 0
+    (``decode_pool_max_size`` / ``vision_pool_max_size``): ``decode``, then the vision stage with ``vision``, the
+    vision actor's settings (``processor``, ``device``, ``return_multi_modal_inputs``). Each step counts and
+    quarantines as its own actor would."""
+    steps: list[Callable[[pa.Table], pa.Table]] = []
+    if decode:
+        steps.append(partial(decode_block, DecodeStage.from_config(config, files, keep_provenance), ledger=ledger))
+    if vision is not None:
+        stage = VisionStage.from_config(
+            resolve_model_path(vision["processor"]),
+            vision.get("device", "cpu"),
+            vision.get("return_multi_modal_inputs", True),
+            config,
+            files,
+            keep_provenance,
+        )
+        steps.append(partial(vision_block, stage, ledger=ledger))
+    return steps
+
+
+def run_steps(steps: Sequence[Callable[[pa.Table], pa.Table]], table: pa.Table) -> pa.Table:
+    for step in steps:
+        table = step(table)
+    return table
 
 
 def counted_block(process, table: pa.Table, ledger, stage: str, skip_empty: bool = False) -> pa.Table:
