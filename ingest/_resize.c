@@ -253,7 +253,54 @@ static PyObject *resize_patches(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* out[i][c][t][k] = lut[c][src[i][c][k]] for every frame t: the processor's rescale + normalize of uint8 patches
+   (each value's float ops done once, in the table) and its repeat to temporal_patch_size frames, in one pass. */
+static void normalize_into(const uint8_t *src, float *out, const float *lut, Py_ssize_t count, int channels,
+                           int frames, Py_ssize_t plane) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        for (int c = 0; c < channels; c++) {
+            const uint8_t *values = src + ((size_t)i * channels + c) * plane;
+            float *first = out + ((size_t)i * channels + c) * frames * plane;
+            const float *table = lut + (size_t)c * 256;
+            for (Py_ssize_t k = 0; k < plane; k++) first[k] = table[values[k]];
+            for (int t = 1; t < frames; t++) memcpy(first + (size_t)t * plane, first, (size_t)plane * sizeof(float));
+        }
+}
+
+static PyObject *normalize_patches(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer src, out, lut;
+    Py_ssize_t count, plane;
+    int channels, frames;
+    if (!PyArg_ParseTuple(args, "y*w*y*niin", &src, &out, &lut, &count, &channels, &frames, &plane)) return NULL;
+    const char *error = NULL;
+    if (count < 0 || channels <= 0 || frames <= 0 || plane <= 0)
+        error = "count must be >= 0; channels, frames and plane positive";
+    else if (src.len != count * channels * plane)
+        error = "src must hold count * channels * plane bytes";
+    else if (out.len < count * channels * frames * plane * (Py_ssize_t)sizeof(float))
+        error = "out is too small for count * channels * frames * plane float32 values";
+    else if (lut.len != channels * 256 * (Py_ssize_t)sizeof(float))
+        error = "lut must hold channels * 256 float32 values";
+    if (!error) {
+        Py_BEGIN_ALLOW_THREADS;
+        normalize_into(src.buf, out.buf, lut.buf, count, channels, frames, plane);
+        Py_END_ALLOW_THREADS;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&lut);
+    if (error) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"normalize_patches", normalize_patches, METH_VARARGS,
+     "normalize_patches(src, out, lut, count, channels, frames, plane): (count, channels, plane) uint8 -> "
+     "(count, channels, frames, plane) float32 in out, each value looked up in its channel's row of lut "
+     "(channels, 256) float32 and repeated in every frame."},
     {"resize_patches", resize_patches, METH_VARARGS,
      "resize_patches(image, height, width, out, out_height, out_width, patch, merge): (height, width, 3) uint8 RGB "
      "bytes -> torch's uint8 antialiased bicubic resize to (out_height, out_width), written into out as "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +249,10 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
         # each normalized once and then copied into every frame: one pass over the output instead of three.
         out = torch.from_numpy(PIXEL_VALUES.take(4 * int(np.prod(shape)))).view(torch.float32).view(shape)
         values, source = out.numpy(), patches.numpy().reshape(n, channels, p * p)
+        if _resize is not None:  # one pass in C through a per-channel table of the same float ops' results
+            lut = _normalize_table(tuple(mean), tuple(std))
+            _resize.normalize_patches(np.ascontiguousarray(source), values, lut, n, channels, t, p * p)
+            return out.view(n, channels * t * p * p)
         mean_, std_ = (np.asarray(x, dtype=np.float32).reshape(1, channels, 1) for x in (mean, std))
         step = max(1, _NORMALIZE_CHUNK // (channels * p * p))
         for start in range(0, n, step):
@@ -264,6 +268,16 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
         out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
         out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
     return out.view(n, channels * t * p * p)
+
+
+@lru_cache(maxsize=16)
+def _normalize_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """(channels, 256) float32: (value - mean) / std for every uint8 value, by the numpy path's own float32 ops, so a
+    lookup gives each value's result to the bit."""
+    values = np.broadcast_to(np.arange(256, dtype=np.float32), (len(mean), 256)).copy()
+    np.subtract(values, np.asarray(mean, dtype=np.float32).reshape(-1, 1), out=values)
+    np.divide(values, np.asarray(std, dtype=np.float32).reshape(-1, 1), out=values)
+    return values
 
 
 _NORMALIZE_CHUNK = 1 << 17  # float32 values per ``normalize_patches`` step: 512 KB, within a core's L2 cache

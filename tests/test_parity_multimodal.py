@@ -366,6 +366,26 @@ def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
         assert np.array_equal(ours, theirs.numpy()), (h, w)
 
 
+def test_compiled_normalize_equals_the_numpy_path(model_dir, monkeypatch):
+    """The consumer's uint8 patches -> float32 ``pixel_values`` in C (a per-channel table of the numpy path's float32
+    ops) is bit-equal to the numpy path: every byte value, one and two frames, no patches at all."""
+    from ingest import pixels as pixel_ops
+
+    assert pixel_ops._resize is not None, "ingest._resize was not built: pip install needs a C compiler"
+    mean, std = pixel_ops.ImagePixels.from_dir(model_dir).norm
+    every_value = np.arange(4 * 3 * 16 * 16).reshape(4, 3, 16, 16) % 256  # each channel's plane: 0..255
+    noise = np.random.default_rng(3).integers(0, 256, (301, 3, 14, 14))
+    for values in (every_value, noise, np.zeros((0, 3, 14, 14))):
+        values = values.astype(np.uint8)
+        for frames in (1, 2):
+            compiled = pixel_ops.normalize_patches(values, mean, std, frames).clone()
+            with monkeypatch.context() as patch:
+                patch.setattr(pixel_ops, "_resize", None)
+                plain = pixel_ops.normalize_patches(values, mean, std, frames)
+            assert compiled.shape == plain.shape == (len(values), frames * 3 * values.shape[-1] ** 2)
+            assert torch.equal(compiled.view(torch.int32), plain.view(torch.int32)), (values.shape, frames)
+
+
 def test_cpu_path_without_the_compiled_resize_gives_the_same_patches(model_dir, monkeypatch):
     """Where ``ingest._resize`` was not built (no C compiler at install), the CPU path runs torch's kernel: the same
     patches, and the vision stage's records are byte-equal."""
