@@ -34,17 +34,13 @@ class TokenizeActor:
         self.stage = PromptTokenizeStage(chat, cfg, files, vision, keep_provenance)
         self.ledger = ledger
         self.batch_size = cfg.tokenizer_batch_size
-        self.steps = []
-        if decode or vision_stage is not None:  # later stages without a pool of their own run here (fused_steps)
-            from ingest.stages.vision import fused_steps
+        self.media = None
+        if decode or vision_stage is not None:  # media stages without a pool of their own run here
+            from ingest.stages.vision import media_stages
 
-            self.steps = fused_steps(config, files, keep_provenance, ledger, decode=decode, vision=vision_stage)
+            self.media = media_stages(config, files, keep_provenance, ledger, decode=decode, vision=vision_stage)
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
         tables = stage_unit(self.stage, unit, self.batch_size, self.ledger)
-        if not self.steps:
-            return tables
-        from ingest.stages.vision import run_steps
-
         # a generator, not a map object: Ray Data takes generators (and tables) as a UDF's output
-        return (run_steps(self.steps, table) for table in tables)
+        return tables if self.media is None else (self.media(table) for table in tables)

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from ingest.memory import DEFAULT_ARROW_MEMORY_POOL, use_arrow_memory_pool
-from ingest.offline import resolve_model_path
-from ingest.stages.vision import VisionStage, fused_steps, run_steps, vision_block
+from ingest.stages.vision import media_stages
 
 
 class DecodeActor:
@@ -23,10 +22,10 @@ class DecodeActor:
         vision_stage: dict | None = None,
     ):
         use_arrow_memory_pool(config.get("arrow_memory_pool", DEFAULT_ARROW_MEMORY_POOL))
-        self.steps = fused_steps(config, files, keep_provenance, ledger, decode=True, vision=vision_stage)
+        self.process = media_stages(config, files, keep_provenance, ledger, decode=True, vision=vision_stage)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return run_steps(self.steps, batch)
+        return self.process(batch)
 
 
 class VisionActor:
@@ -40,10 +39,10 @@ class VisionActor:
         ledger=None,
         keep_provenance: bool = False,
     ):
-        path, config = resolve_model_path(processor), config or {}
+        config = config or {}
         use_arrow_memory_pool(config.get("arrow_memory_pool", DEFAULT_ARROW_MEMORY_POOL))
-        self.stage = VisionStage.from_config(path, device, return_multi_modal_inputs, config, files, keep_provenance)
-        self.ledger = ledger
+        vision = {"processor": processor, "device": device, "return_multi_modal_inputs": return_multi_modal_inputs}
+        self.process = media_stages(config, files, keep_provenance, ledger, vision=vision)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return vision_block(self.stage, batch, self.ledger)
+        return self.process(batch)

@@ -242,19 +242,19 @@ def vision_block(stage: VisionStage, table: pa.Table, ledger=None) -> pa.Table:
     return counted_block(stage.process, table, ledger, "vision", skip_empty=True)
 
 
-def fused_steps(
+def media_stages(
     config: dict,
     files: Sequence[str],
-    keep_provenance: bool,
+    keep_provenance: bool = False,
     ledger=None,
     *,
     decode: bool = False,
     vision: dict | None = None,
-) -> list[Callable[[pa.Table], pa.Table]]:
-    """The later stages an actor runs on each of its output blocks, in order, where their pools are 0
-    (``decode_pool_max_size`` / ``vision_pool_max_size``): ``decode``, then the vision stage with ``vision``, the
-    vision actor's settings (``processor``, ``device``, ``return_multi_modal_inputs``). Each step counts and
-    quarantines as its own actor would."""
+) -> Callable[[pa.Table], pa.Table]:
+    """One block through the media stages an actor runs, in order: ``decode``, then with ``vision`` (the vision
+    actor's settings: ``processor``, ``device``, ``return_multi_modal_inputs``) the vision stage. The decode and
+    vision actors run theirs; a pool of size 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) puts its stage
+    in the actors of the stage before it. Each stage counts and quarantines as in its own actor."""
     steps: list[Callable[[pa.Table], pa.Table]] = []
     if decode:
         steps.append(partial(decode_block, DecodeStage.from_config(config, files, keep_provenance), ledger=ledger))
@@ -268,10 +268,10 @@ def fused_steps(
             keep_provenance,
         )
         steps.append(partial(vision_block, stage, ledger=ledger))
-    return steps
+    return partial(_in_order, steps)
 
 
-def run_steps(steps: Sequence[Callable[[pa.Table], pa.Table]], table: pa.Table) -> pa.Table:
+def _in_order(steps: Sequence[Callable[[pa.Table], pa.Table]], table: pa.Table) -> pa.Table:
     for step in steps:
         table = step(table)
     return table
