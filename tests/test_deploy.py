@@ -441,7 +441,7 @@ def test_example_configs_load_through_the_cli_and_dataconfig():
     from ingest.config import VERL_KEYS_NOT_READ_BY_DATASET, DataConfig
 
     fields = {f.name for f in dataclasses.fields(DataConfig)}
-    assert [p.name for p in CONFIGS] == ["multimodal-gpu.yaml", "text.yaml"]
+    assert [p.name for p in CONFIGS] == ["multimodal-cpu.yaml", "multimodal-gpu.yaml", "text.yaml"]
     for path in CONFIGS:
         doc = load_yaml(path)
         assert set(doc) <= {"data", *RUN_KEYS}, f"{path.name}: unknown top-level keys"
@@ -455,6 +455,10 @@ def test_example_configs_load_through_the_cli_and_dataconfig():
     mm_data, mm_run = load_run_config(str(DEPLOY / "configs" / "multimodal-gpu.yaml"))
     assert mm_run["processor"] and mm_run["files"]
     assert DataConfig.from_any(mm_data).vision_num_gpus > 0
+    small_data, small_run = load_run_config(str(DEPLOY / "configs" / "multimodal-cpu.yaml"))
+    small = DataConfig.from_any(small_data)
+    assert small_run["processor"] and small_run["files"]
+    assert (small.decode_pool_max_size, small.vision_pool_max_size, small.vision_num_gpus) == (0, 0, 0)
 
 
 def test_text_config_runs_the_embedded_sample(monkeypatch, capsys):
