@@ -29,9 +29,10 @@ demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
+# torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it
 test: $(STAMP) $(ORACLE)
 	$(PY) -m ruff check ingest actors tests
-	$(PY) -m pytest -q tests
+	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests

@@ -94,6 +94,13 @@ def cmd_make_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ffmpeg_libdir(args: argparse.Namespace) -> int:
+    from ingest.video import pyav_ffmpeg_libdir
+
+    print(pyav_ffmpeg_libdir(args.dest))
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from ingest.sample import write_gsm8k_parquet
 
@@ -165,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--out", help="directory (default: the cache directory the pipeline uses)")
     tok.add_argument("--force", action="store_true")
     tok.set_defaults(func=cmd_make_tokenizer)
+
+    ffmpeg = sub.add_parser(
+        "ffmpeg-libdir",
+        help="print a directory that lends torchcodec PyAV's FFmpeg libraries (for LD_LIBRARY_PATH)",
+    )
+    ffmpeg.add_argument("--dest", help="make it here (default: under the temp directory, one per PyAV install)")
+    ffmpeg.set_defaults(func=cmd_ffmpeg_libdir)
 
     sample = sub.add_parser("sample", help="generate gsm8k-shaped Parquet files")
     sample.add_argument("out")

@@ -9,6 +9,10 @@ from typing import Any
 
 from ingest.memory import ARROW_MEMORY_POOLS, DEFAULT_ARROW_MEMORY_POOL
 
+# how the vision stage may decode video files (vision_video_decoder): torchcodec on CUDA where it loads, else PyAV
+# ("auto"), or one of them on any device
+VIDEO_DECODERS = ("auto", "pyav", "torchcodec")
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
@@ -92,6 +96,10 @@ class DataConfig:
     # video files decode in the vision actors (torchcodec on the GPU where it loads, else PyAV), not in the decode
     # stage; off by default: GPU-decoded frames are close to PyAV's, not equal (docs/design.md)
     vision_decode_video_on_device: bool = False
+    # the vision actors' video file decoder: "auto" (torchcodec on cuda where it loads, else PyAV), "pyav" or
+    # "torchcodec" (on the actor's device, also the CPU: there its frames are PyAV's; it needs FFmpeg's libraries,
+    # `python -m ingest ffmpeg-libdir` lends it PyAV's)
+    vision_video_decoder: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system measured ~20% less CPU for read + tokenize + decode
@@ -124,6 +132,13 @@ class DataConfig:
             )
         if self.vision_device not in ("auto", "cpu", "cuda") and not self.vision_device.startswith("cuda:"):
             raise ValueError(f"vision_device must be auto, cpu or cuda[:N], got {self.vision_device!r}")
+        if self.vision_video_decoder not in VIDEO_DECODERS:
+            raise ValueError(f"vision_video_decoder must be one of {VIDEO_DECODERS}, got {self.vision_video_decoder!r}")
+        if self.vision_video_decoder != "auto" and not self.vision_decode_video_on_device:
+            raise ValueError(
+                f"vision_video_decoder: {self.vision_video_decoder} picks the vision actors' decoder, which only "
+                "decodes video files with vision_decode_video_on_device: true (else the decode stage uses PyAV)"
+            )
         if self.arrow_memory_pool not in ARROW_MEMORY_POOLS:
             raise ValueError(f"arrow_memory_pool must be one of {ARROW_MEMORY_POOLS}, got {self.arrow_memory_pool!r}")
         if self.on_bad_row not in ("quarantine", "raise"):

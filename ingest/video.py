@@ -13,20 +13,26 @@ calls ``fetch_video`` (qwen-vl-utils 0.0.14 in the oracle environment). The rule
 
 The tokenize stage needs only the frame count and the final size to know how many pad tokens a video expands to;
 ``probe_video`` gets them from headers (container metadata, image headers). Decoding: PyAV (FFmpeg) for files, PIL for
-frames. ``multi_modal_data["video"]`` is the resized ``(T, 3, H, W)`` array as float32, as verl hands it on; the
-values are whole numbers (resized uint8), so blocks carry uint8 and the consumer converts.
+frames; video files left to the vision stage (``vision_decode_video_on_device``) may decode with torchcodec instead
+(``vision_video_decoder``). ``multi_modal_data["video"]`` is the resized ``(T, 3, H, W)`` array as float32, as verl
+hands it on; the values are whole numbers (resized uint8), so blocks carry uint8 and the consumer converts.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import math
 import os
+import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from ingest.config import VIDEO_DECODERS
 from ingest.vision import read_image_bytes
 
 FPS = 2.0
@@ -258,42 +264,100 @@ def decode_video_frames(plan: dict) -> np.ndarray:
     return np.stack([decoded[i] for i in plan["indices"]])
 
 
+# where PyAV's wheel keeps its FFmpeg libraries under hashed names (auditwheel), beside the ``av`` package
+_SONAME = re.compile(r"(lib(?:av[a-z]+|sw[a-z]+|postproc))-[0-9a-f]{8}(\.so\.\d+)(?:\.\d+)*")
+
+
 @functools.cache
-def torchcodec_loads() -> bool:
-    """Whether torchcodec imports here: it needs FFmpeg's shared libraries and a build that matches this torch (its
-    native libraries raise ``RuntimeError`` / ``OSError`` otherwise, not only ``ImportError``)."""
+def torchcodec_error() -> str | None:
+    """Why torchcodec's video decoder does not load here, or None where it does. It needs FFmpeg's shared libraries
+    and a build that matches this torch (its native libraries raise ``RuntimeError`` / ``OSError`` then, not only
+    ``ImportError``)."""
     try:
         import torchcodec.decoders  # noqa: F401
-    except Exception:
-        return False
-    return True
+        from torchcodec._core import ops
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first}"
+    # from 0.17 the import goes on without FFmpeg (its image decoders do not need it) and says so here
+    if not getattr(ops, "_FFMPEG_AVAILABLE", True):
+        return "it found no FFmpeg libraries it can load, of FFmpeg 4 to 9"
+    return None
 
 
-def video_file_decoder(device: str) -> str:
-    """Which decoder ``decode_video_file`` uses on ``device``: ``torchcodec`` (NVDEC) on CUDA where torchcodec
-    loads, else ``pyav`` (the decode stage's CPU decoder)."""
+def torchcodec_loads() -> bool:
+    """Whether torchcodec imports here (see ``torchcodec_error``)."""
+    return torchcodec_error() is None
+
+
+def video_file_decoder(device: str, choice: str = "auto") -> str:
+    """Which decoder ``decode_video_file`` uses on ``device`` for ``choice`` (one of ``VIDEO_DECODERS``): "auto" is
+    ``torchcodec`` (NVDEC) on CUDA where torchcodec loads, else ``pyav`` (the decode stage's CPU decoder). An explicit
+    "torchcodec" that does not load is an error saying why and how to give it FFmpeg."""
+    if choice not in VIDEO_DECODERS:
+        raise ValueError(f"vision_video_decoder must be one of {VIDEO_DECODERS}, got {choice!r}")
+    if choice == "torchcodec":
+        if not torchcodec_loads():
+            raise RuntimeError(
+                f"vision_video_decoder: torchcodec, but torchcodec does not load here ({torchcodec_error()}). Install "
+                "the torchcodec that matches this torch, and FFmpeg's shared libraries or PyAV's: start the processes "
+                "that decode (`ray start`, the driver) with LD_LIBRARY_PATH=$(python -m ingest ffmpeg-libdir)"
+            )
+        return "torchcodec"
+    if choice == "pyav":
+        return "pyav"
     import torch
 
     return "torchcodec" if torch.device(device).type == "cuda" and torchcodec_loads() else "pyav"
 
 
-def decode_video_file(data: bytes, indices: list[int], device: str = "cpu"):
+def decode_video_file(data: bytes, indices: list[int], device: str = "cpu", decoder: str = "auto"):
     """The frames at ``indices`` of an encoded video file, as a (T, 3, H, W) uint8 tensor on ``device``.
 
-    On CUDA with torchcodec: its decoder on the device (NVDEC), frames by index after a scan of the file (``exact``
-    seek mode: frame i is the i-th frame in presentation order, as PyAV decodes them). Otherwise PyAV on the CPU,
-    exactly ``decode_video_frames``, then one upload."""
+    torchcodec (``video_file_decoder``; NVDEC on CUDA): its decoder on the device, frames by index after a scan of the
+    file (``exact`` seek mode: frame i is the i-th frame in presentation order, as PyAV decodes them; on the CPU with
+    the same FFmpeg the frames are PyAV's, bit for bit). PyAV: on the CPU, exactly ``decode_video_frames``, then one
+    upload."""
     import torch
 
-    if video_file_decoder(device) == "torchcodec":
+    if video_file_decoder(device, decoder) == "torchcodec":
         from torchcodec.decoders import VideoDecoder
 
-        decoder = VideoDecoder(data, device=device, seek_mode="exact")
-        if indices and max(indices) >= len(decoder):
-            raise ValueError(f"video has fewer frames than its header says ({len(decoder)}, need {max(indices) + 1})")
-        return decoder.get_frames_at(list(indices)).data
+        torchcodec_device = device if torch.device(device).type == "cuda" else "cpu"
+        video = VideoDecoder(data, device=torchcodec_device, seek_mode="exact")
+        if indices and max(indices) >= len(video):
+            raise ValueError(f"video has fewer frames than its header says ({len(video)}, need {max(indices) + 1})")
+        return video.get_frames_at(list(indices)).data.to(device)
     frames = decode_video_frames({"is_file": True, "data": [data], "indices": list(indices)})
     return torch.from_numpy(frames).permute(0, 3, 1, 2).to(device)
+
+
+def pyav_ffmpeg_libdir(dest: str | os.PathLike | None = None) -> str:
+    """A directory through which torchcodec finds the FFmpeg that PyAV's wheel bundles, for machines without FFmpeg's
+    shared libraries: links under the names torchcodec asks for (``libavcodec.so.62``, ...), and under their own
+    hashed names, which the libraries load each other by (``$ORIGIN`` is the directory a library was found in, so
+    the links must sit together). Put it on ``LD_LIBRARY_PATH`` of the processes that decode, before they start:
+    the loader reads that variable once. Idempotent; by default under the temp directory, one per PyAV install."""
+    import av
+
+    libs = Path(av.__file__).resolve().parent.parent / "av.libs"
+    if not libs.is_dir():
+        raise RuntimeError(f"this PyAV ({av.__version__}) bundles no FFmpeg libraries ({libs} is missing)")
+    if dest is None:
+        digest = hashlib.sha256(str(libs).encode()).hexdigest()[:12]
+        dest = Path(tempfile.gettempdir()) / f"ingest-ffmpeg-{av.__version__}-{digest}"
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for lib in sorted(libs.iterdir()):
+        match = _SONAME.fullmatch(lib.name)
+        for name in [lib.name] + ([match[1] + match[2]] if match else []):
+            link = dest / name
+            if not (link.is_symlink() and os.readlink(link) == str(lib)):
+                tmp = dest / f".{name}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                os.symlink(lib, tmp)
+                os.replace(tmp, link)  # atomic: processes building the same directory at once do not trip
+    return str(dest)
 
 
 def _to_rgb(image):

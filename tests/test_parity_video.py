@@ -12,7 +12,17 @@ from ingest.errors import BadRowError, find_ingest_error
 from ingest.oracle import oracle_available, run_verl
 from ingest.sample import make_video_file, write_video_parquet
 from ingest.stats import RunLedger
-from ingest.video import frame_indices, smart_nframes, video_size
+from ingest.video import (
+    decode_video_file,
+    frame_indices,
+    probe_video,
+    pyav_ffmpeg_libdir,
+    smart_nframes,
+    torchcodec_error,
+    torchcodec_loads,
+    video_file_decoder,
+    video_size,
+)
 from tests.conftest import collect
 from tests.helpers import assert_same_batches, write_media_rows
 
@@ -56,13 +66,90 @@ _VIDEO_IN_VISION_ACTOR = {
 }
 
 
-def test_video_files_decoded_by_the_vision_actor_equal_verl(ray_session, model_dir, video_runs):
+def needs_torchcodec():
+    """Skip where torchcodec's video decoder does not load (``make test`` gives it PyAV's FFmpeg libraries)."""
+    if not torchcodec_loads():
+        pytest.skip(f"torchcodec does not load here ({torchcodec_error()}); `make test` sets LD_LIBRARY_PATH for it")
+
+
+@pytest.mark.parametrize("decoder", ["auto", "torchcodec"])
+def test_video_files_decoded_by_the_vision_actor_equal_verl(ray_session, model_dir, video_runs, decoder):
     """``vision_decode_video_on_device``: video files skip the decode stage and are decoded in the vision actor; with
-    no CUDA device that is PyAV, the decode stage's decoder: verl's rows."""
+    no CUDA device "auto" is PyAV, the decode stage's decoder, and torchcodec on the CPU decodes the same frames:
+    verl's rows either way."""
+    if decoder == "torchcodec":
+        needs_torchcodec()
     files, config, expected = video_runs["file"]
     config = {k: v for k, v in config.items() if k != "cache_dir"}
-    ds = build_dataset(files, model_dir, {**config, "shuffle": False, **_VIDEO_IN_VISION_ACTOR}, processor=model_dir)
+    config = {**config, "shuffle": False, **_VIDEO_IN_VISION_ACTOR, "vision_video_decoder": decoder}
+    ds = build_dataset(files, model_dir, config, processor=model_dir)
     assert_same_batches(collect(ds, BATCH), expected["batches"])
+
+
+def test_torchcodec_decodes_pyavs_frames_on_the_cpu(tmp_path):
+    """torchcodec (the vision actors' decoder on CUDA, here its CPU decoder with PyAV's FFmpeg) against PyAV: the
+    same frames, bit for bit, sizes that are and are not a multiple of 16 / 32; a file cut short is the same error."""
+    needs_torchcodec()
+    assert video_file_decoder("cpu") == "pyav" and video_file_decoder("cpu", "torchcodec") == "torchcodec"
+    for frames, width, height, fps in ((6, 64, 64, 5), (40, 192, 96, 30), (17, 100, 70, 12)):
+        path = make_video_file(tmp_path / f"clip-{frames}.mp4", frames, width, height, fps, seed=frames)
+        plan = probe_video({"video": path})
+        pyav = decode_video_file(plan.data[0], plan.indices, "cpu", "pyav")
+        torchcodec = decode_video_file(plan.data[0], plan.indices, "cpu", "torchcodec")
+        assert pyav.shape == (len(plan.indices), 3, height, width) and torch.equal(torchcodec, pyav)
+    good = make_video_file(tmp_path / "good.mp4", 24, 64, 64, 10, faststart=True)
+    cut = open(good, "rb").read()
+    cut = cut[: int(len(cut) * 0.6)]
+    for decoder in ("pyav", "torchcodec"):
+        with pytest.raises(ValueError, match="fewer frames than its header says"):
+            decode_video_file(cut, list(range(0, 24, 2)), "cpu", decoder)
+
+
+def test_an_explicit_torchcodec_that_does_not_load_fails_at_actor_start(model_dir, monkeypatch):
+    from ingest import video
+    from ingest.stages.vision import VisionStage
+
+    monkeypatch.setattr(video, "torchcodec_error", lambda: "it found no FFmpeg libraries it can load")
+    with pytest.raises(RuntimeError, match=r"torchcodec does not load here .*ingest ffmpeg-libdir"):
+        VisionStage(model_dir, "cpu", video_decoder="torchcodec")
+    assert VisionStage(model_dir, "cpu").video_decoder == "auto"  # "auto" falls back to PyAV instead
+
+
+def test_ffmpeg_libdir_lends_torchcodec_pyavs_libraries(tmp_path):
+    """``python -m ingest ffmpeg-libdir``: a process started with that directory on LD_LIBRARY_PATH loads torchcodec's
+    video decoder from PyAV's FFmpeg (here, where the system has none, only then)."""
+    import os
+    import subprocess
+    import sys
+
+    libdir = subprocess.run(
+        [sys.executable, "-m", "ingest", "ffmpeg-libdir", "--dest", str(tmp_path / "ffmpeg")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert libdir == str(tmp_path / "ffmpeg") and pyav_ffmpeg_libdir(libdir) == libdir  # again: no error
+    names = os.listdir(libdir)
+    assert {"libavcodec", "libavformat", "libavutil", "libswscale"} <= {n.split(".so.")[0] for n in names}
+    assert all(os.path.exists(os.path.join(libdir, n)) for n in names)  # no dangling link
+    probe = [sys.executable, "-c", "from ingest.video import torchcodec_error as e; print(e())"]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    try:
+        import torchcodec  # noqa: F401
+    except ImportError:
+        pytest.skip("torchcodec is not installed")
+    lent = subprocess.run(probe, env={**env, "LD_LIBRARY_PATH": libdir}, capture_output=True, text=True, check=True)
+    assert lent.stdout.strip() == "None", lent.stdout + lent.stderr[-2000:]
+    if not _system_has_ffmpeg():
+        bare = subprocess.run(probe, env=env, capture_output=True, text=True, check=True)
+        assert "FFmpeg" in bare.stdout, bare.stdout
+
+
+def _system_has_ffmpeg() -> bool:
+    import subprocess
+
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    return "libavutil.so" in listing
 
 
 def test_deferred_video_files_give_the_same_block_as_the_decode_stage(model_dir, tmp_path):
@@ -113,11 +200,14 @@ _VIDEO_DECODE_PLACES = {
     "decode stage": {},
     "vision actor": _VIDEO_IN_VISION_ACTOR,
     "vision actor, no decode pool": {**_VIDEO_IN_VISION_ACTOR, "decode_pool_max_size": 0},
+    "vision actor, torchcodec": {**_VIDEO_IN_VISION_ACTOR, "vision_video_decoder": "torchcodec"},
 }
 
 
 @pytest.mark.parametrize("place", list(_VIDEO_DECODE_PLACES))
 def test_video_file_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
+    if "torchcodec" in place:
+        needs_torchcodec()
     path = _cut_video_file(tmp_path)
     ledger = RunLedger.remote()
     config = {"shuffle": False, **_VIDEO_DECODE_PLACES[place]}
@@ -148,10 +238,7 @@ def test_cuda_video_decode_is_close_to_pyav(tmp_path):
     """torchcodec (NVDEC) against PyAV on the same file: never run here (no GPU was lent). The same frames (index and
     count exact); NVDEC's YUV -> RGB conversion is not FFmpeg's swscale, so pixels are compared within a bound that
     no GPU run has measured yet: a few levels on average."""
-    from ingest.video import decode_video_file, probe_video, torchcodec_loads, video_file_decoder
-
-    if not torchcodec_loads():
-        pytest.skip("torchcodec does not load here (it needs FFmpeg's libraries and a build for this torch)")
+    needs_torchcodec()
     assert video_file_decoder("cuda") == "torchcodec"
     path = make_video_file(tmp_path / "clip.mp4", 40, 96, 64, 10)
     plan = probe_video({"video": path})

@@ -148,6 +148,11 @@ def test_config_accepts_dict_dictconfig_and_verl_keys():
             DataConfig(**{f"{pool}_pool_max_size": -1})
     with pytest.raises(ValueError, match="need a vision pool"):
         DataConfig(vision_pool_max_size=0, vision_num_gpus=0.5)
+    assert DataConfig(vision_decode_video_on_device=True, vision_video_decoder="torchcodec").vision_video_decoder
+    with pytest.raises(ValueError, match="vision_video_decoder must be one of"):
+        DataConfig(vision_decode_video_on_device=True, vision_video_decoder="decord")
+    with pytest.raises(ValueError, match="only decodes video files with vision_decode_video_on_device: true"):
+        DataConfig(vision_video_decoder="pyav")
 
 
 def test_collate_defaults_and_one_dimensional_arrays():

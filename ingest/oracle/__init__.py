@@ -38,6 +38,9 @@ def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, t
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle
+        # keeps decord, the reader its parity was established with (docs/parity.md)
+        env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
         # A fresh HF datasets cache per run: a warm one replays verl's overlong filter from disk
         env["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf-datasets")
         # its own process group, killed whole if we stop early: verl's DataLoader / datasets workers are its children

@@ -34,7 +34,7 @@ from ingest.accounting import (
 from ingest.errors import BadRowError
 from ingest.offline import resolve_model_path
 from ingest.pixels import ImagePixels, host_array
-from ingest.video import decode_video_file, decode_video_frames, resize_frames
+from ingest.video import decode_video_file, decode_video_frames, resize_frames, video_file_decoder
 from ingest.vision import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
@@ -376,6 +376,7 @@ class VisionStage:
         image_key: str = "images",
         video_key: str = "videos",
         keep_provenance: bool = False,
+        video_decoder: str = "auto",
     ):
         limit_torch_threads()
         # for rows with media the decode stage left to this one (vision_decode_jpeg_on_device,
@@ -384,6 +385,8 @@ class VisionStage:
         self.image_key, self.video_key = image_key, video_key
         self.keep_provenance = keep_provenance
         self.device = resolve_device(device)
+        self.video_decoder = video_decoder
+        video_file_decoder(self.device, video_decoder)  # an explicit decoder that does not load fails here, once
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
         self.pixels = ImagePixels.from_dir(processor_path)
@@ -404,6 +407,8 @@ class VisionStage:
         keep_provenance: bool = False,
     ) -> VisionStage:
         options = {k: config[k] for k in ("on_bad_row", "image_key", "video_key") if k in config}
+        if "vision_video_decoder" in config:
+            options["video_decoder"] = config["vision_video_decoder"]
         return cls(
             processor_path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
         )
@@ -415,6 +420,7 @@ class VisionStage:
         stage.files, stage.on_bad_row, stage.keep_provenance = [], "raise", False
         stage.image_key, stage.video_key = "images", "videos"
         stage.device = resolve_device(device)
+        stage.video_decoder = "auto"
         stage.processor_path = None
         stage.pixels = None
         stage._image_processor = image_processor
@@ -519,13 +525,14 @@ class VisionStage:
 
     def _decode_deferred(self, table: pa.Table) -> tuple[StageResult, dict[int, object], dict[tuple, object]]:
         """Decode the media the decode stage left encoded. JPEGs: one batched call on ``device`` (nvJPEG through
-        torchvision on cuda; PIL on the CPU, the decode stage's decoder). Video files: ``decode_video_file``
-        (torchcodec on cuda where it loads, else PyAV). A row with a JPEG that neither the device decoder nor PIL
-        decodes, or a video that does not decode, is a bad row: ``BadRowError`` naming file and row (``on_bad_row:
-        raise``) or a quarantine record. The JPEGs' RGB goes into ``multi_modal_data`` (a copy to the host); the device
-        tensors, by their position among the batch's images, feed the pixel ops without a second upload; the videos'
-        frames stay on the device for the resize, keyed (row, video). Returns the table without the deferred columns
-        (and without the bad rows), the counts of the rows that had deferred media, and the two sets of tensors."""
+        torchvision on cuda; PIL on the CPU, the decode stage's decoder). Video files: ``decode_video_file`` with
+        ``vision_video_decoder`` (by default torchcodec on cuda where it loads, else PyAV). A row with a JPEG that
+        neither the device decoder nor PIL decodes, or a video that does not decode, is a bad row: ``BadRowError``
+        naming file and row (``on_bad_row: raise``) or a quarantine record. The JPEGs' RGB goes into
+        ``multi_modal_data`` (a copy to the host); the device tensors, by their position among the batch's images,
+        feed the pixel ops without a second upload; the videos' frames stay on the device for the resize, keyed (row,
+        video). Returns the table without the deferred columns (and without the bad rows), the counts of the rows that
+        had deferred media, and the two sets of tensors."""
         jpegs = _deferred(table, DEFERRED_JPEG_COLUMN)
         videos = _deferred(table, DEFERRED_VIDEO_COLUMN)
         table = table.drop_columns(
@@ -574,7 +581,7 @@ class VisionStage:
     def _decode_video(self, deferred: dict):
         """A deferred video's sampled frames, (T, 3, H, W) uint8 on ``device``, or the exception that stopped them."""
         try:
-            return decode_video_file(deferred["data"], deferred["indices"], self.device)
+            return decode_video_file(deferred["data"], deferred["indices"], self.device, self.video_decoder)
         except Exception as exc:
             return exc
 
