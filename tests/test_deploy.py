@@ -305,6 +305,10 @@ def test_dockerfile_installs_the_pinned_stack_and_the_package():
     text = DOCKERFILE.read_text()
     assert re.search(r"^RUN pip install [^\n]*-r requirements/main\.txt", text, re.M)
     assert re.search(r"pip install [^\n]*--no-deps \.(\s|$)", text)
+    # torchcodec for GPU video decode, and the PyAV FFmpeg links it loads on every process's LD_LIBRARY_PATH
+    assert re.search(r"^RUN pip install [^\n]*-r requirements/video\.txt", text, re.M)
+    libdir = re.search(r"python -m ingest ffmpeg-libdir --dest (\S+)", text)
+    assert libdir and re.search(rf"^ENV LD_LIBRARY_PATH={re.escape(libdir[1])}[:$]", text, re.M)
     copied = [src for src, _ in re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s+(\S+)\s*$", text, re.M)]
     copied += [s for line in re.findall(r"^COPY\s+(?:--\S+\s+)*(.+)$", text, re.M) for s in line.split()[:-1]]
     for src in set(copied):
