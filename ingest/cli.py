@@ -137,6 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             work_dir=args.work_dir,
             passes=args.passes,
             gpu_actors=tuple(args.gpu_actors or SHARED_GPU_ACTORS),
+            device_resizes=tuple(args.device_resize),
         )
         print(json.dumps(result, indent=2))
         return 0
@@ -196,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
     bench.add_argument(
         "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"
+    )
+    bench.add_argument(
+        "--device-resize",
+        nargs="+",
+        default=["torch"],
+        choices=["torch", "triton"],
+        help="vision only: the GPU pools' image resize; each after the first runs those pools again (torch)",
     )
     bench.add_argument(
         "--layouts",

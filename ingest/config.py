@@ -12,6 +12,9 @@ from ingest.memory import ARROW_MEMORY_POOLS, DEFAULT_ARROW_MEMORY_POOL
 # how the vision stage may decode video files (vision_video_decoder): torchcodec on CUDA where it loads, else PyAV
 # ("auto"), or one of them on any device
 VIDEO_DECODERS = ("auto", "pyav", "torchcodec")
+# how the vision actors resize images on a CUDA device (vision_device_resize): "torch" (float passes per image,
+# within 2 levels of the CPU kernel) or "triton" (two kernels per block, the CPU kernel's bytes)
+DEVICE_RESIZES = ("torch", "triton")
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,10 @@ class DataConfig:
     # "torchcodec" (on the actor's device, also the CPU: there its frames are PyAV's; it needs FFmpeg's libraries,
     # `python -m ingest ffmpeg-libdir` lends it PyAV's)
     vision_video_decoder: str = "auto"
+    # the vision actors' image resize on CUDA: "torch" (two float passes per image: within 2 levels of the CPU
+    # kernel) or "triton" (ingest/triton_resize.py: a block in two kernels, the CPU kernel's bytes exactly; needs
+    # triton, which CUDA builds of torch bring). The CPU always runs the uint8 kernel
+    vision_device_resize: str = "torch"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system measured ~20% less CPU for read + tokenize + decode
@@ -139,6 +146,8 @@ class DataConfig:
                 f"vision_video_decoder: {self.vision_video_decoder} picks the vision actors' decoder, which only "
                 "decodes video files with vision_decode_video_on_device: true (else the decode stage uses PyAV)"
             )
+        if self.vision_device_resize not in DEVICE_RESIZES:
+            raise ValueError(f"vision_device_resize must be one of {DEVICE_RESIZES}, got {self.vision_device_resize!r}")
         if self.arrow_memory_pool not in ARROW_MEMORY_POOLS:
             raise ValueError(f"arrow_memory_pool must be one of {ARROW_MEMORY_POOLS}, got {self.arrow_memory_pool!r}")
         if self.on_bad_row not in ("quarantine", "raise"):

@@ -102,19 +102,25 @@ class ImagePixels:
         values = normalize_patches(patches, mean, std, self.spec.temporal_patch_size)
         return values.cpu().numpy(), grids
 
-    def patches(self, images: list[np.ndarray], device: str = "cpu", native_uint8: bool | None = None):
+    def patches(
+        self, images: list[np.ndarray], device: str = "cpu", native_uint8: bool | None = None, kernel: str = "torch"
+    ):
         """(H, W, 3) uint8 RGB arrays (or (3, H, W) uint8 tensors) -> (uint8 patches (patches, C, P, P) on ``device``
         in the processor's patch order, ``image_grid_thw`` int64). ``normalize_patches`` turns them into
         ``pixel_values``: blocks carry these, an eighth of the float32 bytes (one frame instead of
         ``temporal_patch_size``, one byte per value). On the CPU, for numpy images with the uint8 kernel, the
         patches are a numpy array from ``ingest._resize`` (the same bytes, without importing torch) where it was
-        built; a torch tensor otherwise."""
+        built; a torch tensor otherwise. ``kernel="triton"``: the whole block in two Triton kernels
+        (``ingest.triton_resize``: the uint8 kernel's bytes, exactly), for CUDA devices (on the CPU only under
+        ``TRITON_INTERPRET=1``)."""
         spec = self.spec
         p, m = spec.patch_size, spec.merge_size
         shapes = [im.shape[:2] if isinstance(im, np.ndarray) else im.shape[1:] for im in images]  # (H, W)
         grids = np.array([image_grid(w, h, spec) for h, w in shapes], dtype=np.int64).reshape(-1, 3)
         counts = grids.prod(axis=1)
         shape = (int(counts.sum()), 3, p, p)
+        if kernel == "triton":
+            return _triton_patches(images, device, grids, shape, p, m), grids
         if _resize is not None and device == "cpu" and native_uint8 is not False:
             if all(isinstance(im, np.ndarray) for im in images):
                 return _compiled_patches(images, grids, shape, p, m), grids
@@ -134,6 +140,39 @@ class ImagePixels:
             out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
             start += count
         return out, grids
+
+
+def _triton_patches(images: list, device: str, grids: np.ndarray, shape: tuple, p: int, m: int):
+    """``ImagePixels.patches`` through ``ingest.triton_resize.block_patches``. Arrays go up in one copy, read in place
+    as (H, W, 3): the span of one buffer where they are views of it (a block's), else packed on the host first.
+    Tensors already on the device (nvJPEG's) are packed there as (3, H, W) with the arrays."""
+    import torch
+
+    from ingest.triton_resize import block_patches
+
+    out = torch.empty(shape, dtype=torch.uint8, device=device)
+    if not images:
+        return out
+    sizes = [(int(gh) * p, int(gw) * p) for _, gh, gw in grids.tolist()]
+    with warnings.catch_warnings():  # read-only views of the block: only read
+        warnings.simplefilter("ignore", UserWarning)
+        if all(isinstance(im, np.ndarray) for im in images):
+            span = _shared_span(images)
+            if span is None:
+                flat = [np.ascontiguousarray(im).reshape(-1) for im in images]
+                span = np.concatenate(flat), np.cumsum([0] + [f.size for f in flat[:-1]]).tolist()
+            buffer, offsets = span
+            source = upload(buffer, device)
+            layouts = [(o, im.shape[1] * 3, 3, 1, *im.shape[:2]) for o, im in zip(offsets, images, strict=True)]
+        else:
+            tensors = [image.contiguous() for image in device_images(images, device)]
+            source = torch.cat([t.reshape(-1) for t in tensors])
+            starts = np.cumsum([0] + [t.numel() for t in tensors[:-1]]).tolist()
+            layouts = [
+                (o, t.shape[2], 1, t.shape[1] * t.shape[2], *t.shape[1:]) for o, t in zip(starts, tensors, strict=True)
+            ]
+    block_patches(source, layouts, sizes, out, p, m)
+    return out
 
 
 def _compiled_patches(images: list[np.ndarray], grids: np.ndarray, shape: tuple, p: int, m: int) -> np.ndarray:

@@ -12,7 +12,8 @@ start-up is not on it.
 - ``cuda``: 1 actor x 1 GPU on ``device="cuda"`` (skipped without a CUDA device); ``cuda+jpeg``: the same with
   ``vision_decode_jpeg_on_device`` (its blocks keep the JPEGs encoded, so the actor decodes them with nvJPEG);
   ``cuda x2`` / ``cuda x4``: 2 actors x 0.5 GPU (the CPU pool's 2 host cores) / 4 actors x 0.25 GPU sharing the
-  device (fractional GPUs: one actor's host-side work, launching kernels and Arrow in and out, overlaps the others').
+  device (fractional GPUs: one actor's host-side work, launching kernels and Arrow in and out, overlaps the others');
+  ``--device-resize torch triton``: those GPU pools again with the Triton resize (``vision_device_resize``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def _vision_actor(num_cpus: float, num_gpus: float):
 
     @ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)
     class VisionBenchActor:
-        def __init__(self, processor: str, device: str):
+        def __init__(self, processor: str, device: str, device_resize: str = "torch"):
             from ingest.stages.vision import VisionStage
 
-            self.stage = VisionStage(processor, device)
+            self.stage = VisionStage(processor, device, device_resize=device_resize)
 
         def run(self, block: pa.Table) -> pa.Table:
             return self.stage(block)
@@ -118,9 +119,12 @@ def bench_vision(
     gpu: bool | None = None,
     passes: int = 1,
     gpu_actors: tuple[int, ...] = SHARED_GPU_ACTORS,
+    device_resizes: tuple[str, ...] = ("torch",),
 ) -> dict:
     """The CPU pool, then (with a CUDA device, or ``gpu=True``) the GPU actor with and without device JPEG decode,
-    and ``gpu_actors`` actors sharing the GPU; every pool goes over the blocks ``passes`` times."""
+    and ``gpu_actors`` actors sharing the GPU; every pool goes over the blocks ``passes`` times. ``device_resizes``:
+    the GPU pools' image resize (``vision_device_resize``); for each one after the first, the GPU actor and the
+    shared pools again, named with it ("cuda triton x8")."""
     import ray
     import torch
 
@@ -132,10 +136,14 @@ def bench_vision(
     out = _work_dir(work_dir) / f"geo3k-{rows}"
     files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, rows, row_group_size=100)
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    runs = [("cpu", CPU_POOL, False)]
+    runs = [("cpu", CPU_POOL, False, "torch")]
     if gpu:
-        runs += [("cuda", GPU_POOL, False), ("cuda+jpeg", GPU_POOL, True)]
-        runs += [(f"cuda x{k}", shared_gpu_pool(k), False) for k in gpu_actors]
+        first, *others = device_resizes
+        runs += [("cuda", GPU_POOL, False, first), ("cuda+jpeg", GPU_POOL, True, first)]
+        runs += [(f"cuda x{k}", shared_gpu_pool(k), False, first) for k in gpu_actors]
+        for kernel in others:
+            runs += [(f"cuda {kernel}", GPU_POOL, False, kernel)]
+            runs += [(f"cuda {kernel} x{k}", shared_gpu_pool(k), False, kernel) for k in gpu_actors]
     ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     result = {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
@@ -146,13 +154,13 @@ def bench_vision(
     }
     inputs: dict[bool, tuple[list, int]] = {}  # defer_jpeg -> (block refs, images): cpu and cuda share theirs
     try:
-        for name, pool, defer in runs:
+        for name, pool, defer, kernel in runs:
             if defer not in inputs:
                 blocks = decoded_blocks(files, model, defer_jpeg=defer)
                 inputs[defer] = [ray.put(b) for b in blocks], sum(image_count(b) for b in blocks)
                 del blocks
             refs, images = inputs[defer]
-            timing = time_pool(refs, model, **pool, passes=passes)
+            timing = time_pool(refs, model, **pool, passes=passes, actor_args=(kernel,))
             processed = images * passes
             per_s = round(processed / timing["seconds"], 1)
             result["pools"][name] = {**timing, "images": processed, "images_per_s": per_s}

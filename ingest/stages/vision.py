@@ -31,6 +31,7 @@ from ingest.accounting import (
     report_counts,
     row_error,
 )
+from ingest.config import DEVICE_RESIZES
 from ingest.errors import BadRowError
 from ingest.offline import resolve_model_path
 from ingest.pixels import ImagePixels, host_array
@@ -362,6 +363,24 @@ def _ray_actor_gpu_ids() -> list[str] | None:
     return list(context.get_accelerator_ids().get("GPU", []))
 
 
+def resize_kernel(device_resize: str, device: str) -> str:
+    """The image resize ``ImagePixels.patches`` runs for ``vision_device_resize`` on ``device``: "triton" on CUDA
+    (and on the CPU under ``TRITON_INTERPRET=1``, the tests' way to run it), else "torch" (on the CPU: the C uint8
+    kernel, whose bytes the Triton kernels reproduce)."""
+    if device_resize not in DEVICE_RESIZES:
+        raise ValueError(f"vision_device_resize must be one of {DEVICE_RESIZES}, got {device_resize!r}")
+    if device_resize != "triton":
+        return "torch"
+    if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        from ingest.triton_resize import triton_available
+
+        why = triton_available()
+        if why:
+            raise RuntimeError(f"vision_device_resize: triton, but triton does not import here ({why})")
+        return "triton"
+    return "torch"
+
+
 class VisionStage:
     """``multi_modal_data`` pixels -> ``multi_modal_inputs`` (pixel_values, image_grid_thw) on ``device``."""
 
@@ -377,6 +396,7 @@ class VisionStage:
         video_key: str = "videos",
         keep_provenance: bool = False,
         video_decoder: str = "auto",
+        device_resize: str = "torch",
     ):
         limit_torch_threads()
         # for rows with media the decode stage left to this one (vision_decode_jpeg_on_device,
@@ -390,8 +410,9 @@ class VisionStage:
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
         self.pixels = ImagePixels.from_dir(processor_path)
-        if self.pixels is not None:  # first-call set-up (the torch import, where the device needs it) here
-            self.pixels.patches([np.zeros((28, 28, 3), dtype=np.uint8)], self.device)
+        self.resize_kernel = resize_kernel(device_resize, self.device)
+        if self.pixels is not None:  # first-call set-up (the torch import, a kernel's compile) here
+            self.pixels.patches([np.zeros((28, 28, 3), dtype=np.uint8)], self.device, kernel=self.resize_kernel)
         self._image_processor = None if self.pixels is not None else self._load_image_processor()
         self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
@@ -409,6 +430,8 @@ class VisionStage:
         options = {k: config[k] for k in ("on_bad_row", "image_key", "video_key") if k in config}
         if "vision_video_decoder" in config:
             options["video_decoder"] = config["vision_video_decoder"]
+        if "vision_device_resize" in config:
+            options["device_resize"] = config["vision_device_resize"]
         return cls(
             processor_path, device, return_multi_modal_inputs, files=files, keep_provenance=keep_provenance, **options
         )
@@ -420,7 +443,7 @@ class VisionStage:
         stage.files, stage.on_bad_row, stage.keep_provenance = [], "raise", False
         stage.image_key, stage.video_key = "images", "videos"
         stage.device = resolve_device(device)
-        stage.video_decoder = "auto"
+        stage.video_decoder, stage.resize_kernel = "auto", "torch"
         stage.processor_path = None
         stage.pixels = None
         stage._image_processor = image_processor
@@ -596,7 +619,7 @@ class VisionStage:
         for position, tensor in (on_device or {}).items():
             flat[position] = tensor
         if self.pixels is not None:
-            patches, grids = self.pixels.patches(flat, self.device)
+            patches, grids = self.pixels.patches(flat, self.device, kernel=self.resize_kernel)
             pixel_values, norm = host_array(patches), self.pixels.norm
         else:
             flat = [np.asarray(im.permute(1, 2, 0).cpu()) if not isinstance(im, np.ndarray) else im for im in flat]

@@ -1,6 +1,7 @@
 """On the GPU machine, in-process: VisionStage on cuda over bench vision's blocks, this commit's code against the
 previous upload/resize (per-image transfer, F.interpolate), copy-back (into pageable memory) and upload (from
-pageable memory), a breakdown, and torch.profiler's top ops."""
+pageable memory), the Triton resize (and whether its blocks equal the CPU stage's), a breakdown, and torch.profiler's
+top ops."""
 
 import glob
 import json
@@ -94,6 +95,11 @@ P.DEVICE_PATCHES = M.ReusedBuffers()
 res["pageable_copy_back"] = rate(stage)
 P.DEVICE_PATCHES = pinned_pool
 res["new_again"] = rate(stage)
+# the Triton resize (vision_device_resize: triton): a block in two kernels, the CPU kernel's bytes
+triton_stage = VisionStage(model, DEV, device_resize="triton") if DEV == "cuda" else None
+if triton_stage is not None:
+    res["triton"] = rate(triton_stage)
+    res["triton_equal_bytes"] = all(triton_stage(b).equals(VisionStage(model, "cpu")(b)) for b in blocks[:2])
 # the upload: through the pinned staging buffer (this code) against straight from the block (pageable, before)
 staged_upload = P.upload
 P.upload = lambda buffer, device: torch.from_numpy(buffer).to(device)
@@ -133,4 +139,10 @@ if DEV == "cuda":
             stage(b)
         sync()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=40))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in blocks[:3]:
+            triton_stage(b)
+        sync()
+    print("triton resize:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=40))

@@ -1,0 +1,101 @@
+"""The Triton image resize (``vision_device_resize: triton``, ``ingest/triton_resize.py``): its patches are the CPU
+uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
+CPU tensors), in a subprocess: the variable has to be set before triton is imported. The compiled kernels on a GPU
+run in ``tests/gpu`` (``test_cuda_triton_resize_equals_the_cpu_kernel`` below, when a CUDA device is there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ingest.config import DataConfig
+from ingest.stages.vision import resize_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Random images of sizes that keep, shrink and grow each side (28 x 28 keeps both: the identity weights), extreme
+# aspect ratios and a large downscale (many taps); given three ways: views of one buffer (a block's), separate arrays,
+# and (3, H, W) tensors. Then a block of geo3k rows (every image kind of the parity data) through VisionStage.
+INTERPRETED = r"""
+import sys
+import numpy as np
+import torch
+from ingest.offline import build_offline_model_dir
+from ingest.pixels import ImagePixels
+from ingest.sample import write_geo3k_parquet
+from ingest.stages.vision import VisionStage
+from ingest.vision_bench import decoded_blocks
+
+model = str(build_offline_model_dir())
+pixels = ImagePixels.from_dir(model)
+rng = np.random.default_rng(0)
+shapes = [(28, 28), (30, 97), (120, 56), (57, 300), (200, 33), (56, 56), (29, 400), (400, 29), (900, 500), (12, 45)]
+size = sum(h * w * 3 for h, w in shapes)
+buffer = rng.integers(0, 256, size, dtype=np.uint8)
+views, offset = [], 0
+for h, w in shapes:
+    views.append(buffer[offset : offset + h * w * 3].reshape(h, w, 3))
+    offset += h * w * 3
+expected, grids = pixels.patches(views, "cpu")
+expected = np.asarray(expected)
+for name, images in (
+    ("views of one buffer", views),
+    ("separate arrays", [v.copy() for v in views]),
+    ("(3, H, W) tensors", [torch.from_numpy(v.copy()).permute(2, 0, 1) for v in views]),
+):
+    got, got_grids = pixels.patches(images, "cpu", kernel="triton")
+    assert np.array_equal(got_grids, grids), name
+    diff = np.abs(got.numpy().astype(int) - expected.astype(int))
+    assert diff.max() == 0, f"{name}: {int((diff > 0).sum())} values differ, by up to {diff.max()}"
+files = write_geo3k_parquet(sys.argv[1], 8, row_group_size=8)
+cpu, triton = VisionStage(model, "cpu"), VisionStage(model, "cpu", device_resize="triton")
+assert (cpu.resize_kernel, triton.resize_kernel) == ("torch", "triton")
+for block in decoded_blocks(files, model):
+    assert triton(block).equals(cpu(block))
+print("ok", len(shapes), "images")
+"""
+
+
+def test_interpreted_triton_resize_gives_the_cpu_kernels_patches(tmp_path):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", INTERPRETED, str(tmp_path / "geo3k")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
+
+
+def test_device_resize_setting():
+    assert DataConfig().vision_device_resize == "torch"
+    with pytest.raises(ValueError, match="vision_device_resize must be one of"):
+        DataConfig(vision_device_resize="cuda")
+    assert resize_kernel("torch", "cuda") == "torch"
+    assert resize_kernel("triton", "cpu") == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch")
+    with pytest.raises(ValueError, match="vision_device_resize"):
+        resize_kernel("nearest", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_triton_resize_equals_the_cpu_kernel():
+    """The compiled kernels: the CPU kernel's patches exactly, where the torch device resize is within 2 levels."""
+    from ingest.offline import build_offline_model_dir
+    from ingest.pixels import ImagePixels
+
+    pixels = ImagePixels.from_dir(build_offline_model_dir())
+    rng = np.random.default_rng(1)
+    shapes = [(28, 28), (30, 97), (120, 56), (57, 300), (1000, 750), (29, 400), (480, 640)]
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+    expected, grids = pixels.patches(images, "cpu")
+    got, got_grids = pixels.patches(images, "cuda", kernel="triton")
+    assert got.device.type == "cuda" and np.array_equal(got_grids, grids)
+    assert np.array_equal(got.cpu().numpy(), np.asarray(expected))
