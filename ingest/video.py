@@ -306,9 +306,8 @@ def video_file_decoder(device: str, choice: str = "auto") -> str:
         return "torchcodec"
     if choice == "pyav":
         return "pyav"
-    import torch
-
-    return "torchcodec" if torch.device(device).type == "cuda" and torchcodec_loads() else "pyav"
+    # by its name: a CPU vision actor imports no torch (tests/test_parity_multimodal.py)
+    return "torchcodec" if str(device).startswith("cuda") and torchcodec_loads() else "pyav"
 
 
 def decode_video_file(data: bytes, indices: list[int], device: str = "cpu", decoder: str = "auto"):

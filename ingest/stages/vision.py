@@ -406,7 +406,8 @@ class VisionStage:
         self.keep_provenance = keep_provenance
         self.device = resolve_device(device)
         self.video_decoder = video_decoder
-        video_file_decoder(self.device, video_decoder)  # an explicit decoder that does not load fails here, once
+        if video_decoder != "auto":  # an explicit decoder that does not load fails here, once
+            video_file_decoder(self.device, video_decoder)
         self.processor_path = processor_path
         # Qwen2-VL processors: our torch ops (no transformers import); any other: transformers' image processor
         self.pixels = ImagePixels.from_dir(processor_path)
