@@ -1,7 +1,8 @@
 """The Triton image resize (``vision_device_resize: triton``, ``ingest/triton_resize.py``): its patches are the CPU
 uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
-CPU tensors), in a subprocess: the variable has to be set before triton is imported. The compiled kernels on a GPU
-run in ``tests/gpu`` (``test_cuda_triton_resize_equals_the_cpu_kernel`` below, when a CUDA device is there)."""
+CPU tensors), in a subprocess: the variable has to be set before triton is imported. Triton's compiler builds them
+for the GPUs without one; they run compiled where a CUDA device is (``test_cuda_triton_resize_equals_the_cpu_kernel``,
+in ``tests/gpu/run.sh``)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,40 @@ def test_interpreted_triton_resize_gives_the_cpu_kernels_patches(tmp_path):
         text=True,
         timeout=600,
     )
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
+
+
+# Triton's own compiler (and the ptxas its wheel ships), no GPU needed: the kernels build to a cubin for Hopper
+# (sm_90: H100 / H200, the machines lent) and Ampere (sm_80). The interpreter above checks the arithmetic; it is
+# lenient about what the compiler rejects.
+COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ingest import _triton_kernels as kernels
+from ingest.triton_resize import BLOCK, PARAMS
+
+pointers = {"params": "*i32", "starts": "*i32", "images": "i32", "axes": "*i32", "weights": "*i32"}
+for fn, images, extra in (
+    (kernels.across, {"src": "*u8", "mid": "*u8"}, {}),
+    (kernels.down, {"mid": "*u8", "out": "*u8"}, {"PATCH": 14, "MERGE": 2}),
+):
+    constants = {"BLOCK": BLOCK, "PARAMS": PARAMS, **extra}
+    signature = {**images, **pointers, **{name: "constexpr" for name in constants}}
+    assert list(signature) == fn.arg_names, (fn.arg_names, list(signature))
+    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+    for arch in (90, 80):
+        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+        assert compiled.asm["cubin"], (fn.__name__, arch)
+print("ok")
+"""
+
+
+def test_triton_kernels_compile_for_hopper_and_ampere(tmp_path):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
 
 
