@@ -322,11 +322,10 @@ def decode_video_file(data: bytes, indices: list[int], device: str = "cpu", deco
     if video_file_decoder(device, decoder) == "torchcodec":
         from torchcodec.decoders import VideoDecoder
 
-        torchcodec_device = device if torch.device(device).type == "cuda" else "cpu"
-        video = VideoDecoder(data, device=torchcodec_device, seek_mode="exact")
+        video = VideoDecoder(data, device=device, seek_mode="exact")
         if indices and max(indices) >= len(video):
             raise ValueError(f"video has fewer frames than its header says ({len(video)}, need {max(indices) + 1})")
-        return video.get_frames_at(list(indices)).data.to(device)
+        return video.get_frames_at(list(indices)).data
     frames = decode_video_frames({"is_file": True, "data": [data], "indices": list(indices)})
     return torch.from_numpy(frames).permute(0, 3, 1, 2).to(device)
 
