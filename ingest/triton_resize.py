@@ -142,17 +142,17 @@ def block_patches(
     parts = [np.asarray(rows, dtype=np.int32).reshape(-1), tiles_across, tiles_down, *axes, *weights]
     sizes_of = [len(p) for p in parts[:3]] + [2 * axes_len, weights_len]
     tables = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])).to(source.device)
-    params, starts_across, starts_down, axes_dev, weights_dev = torch.split(tables, sizes_of)
+    table, starts_across, starts_down, axes_dev, weights_dev = torch.split(tables, sizes_of)
     mid = torch.empty(mid_len, dtype=torch.uint8, device=source.device)
     across, down = _kernels()
     images = len(rows)
     across[(tiles_across[-1],)](
-        source, mid, params, starts_across, images, axes_dev, weights_dev, BLOCK=BLOCK, PARAMS=PARAMS
+        source, mid, table, starts_across, images, axes_dev, weights_dev, BLOCK=BLOCK, PARAMS=PARAMS
     )
     down[(tiles_down[-1],)](
         mid,
         out.view(-1),
-        params,
+        table,
         starts_down,
         images,
         axes_dev,

@@ -235,9 +235,10 @@ def test_video_file_that_fails_to_decode_in_the_vision_actor_raises_naming_file_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_video_decode_is_close_to_pyav(tmp_path):
-    """torchcodec (NVDEC) against PyAV on the same file: never run here (no GPU was lent). The same frames (index and
-    count exact); NVDEC's YUV -> RGB conversion is not FFmpeg's swscale, so pixels are compared within a bound that
-    no GPU run has measured yet: a few levels on average."""
+    """torchcodec (NVDEC) against PyAV on the same file. The same frames (index and count exact); NVDEC's YUV -> RGB
+    conversion is not FFmpeg's swscale, so pixels are compared within a bound: on an H100 (2026-11-26,
+    ``tests/gpu/video_check.py``) this clip was 1.55 levels off on average, at most 21; five clips 1.13-2.25 and at
+    most 26, 25-40% of values equal."""
     needs_torchcodec()
     assert video_file_decoder("cuda") == "torchcodec"
     path = make_video_file(tmp_path / "clip.mp4", 40, 96, 64, 10)
@@ -246,7 +247,7 @@ def test_cuda_video_decode_is_close_to_pyav(tmp_path):
     gpu = decode_video_file(plan.data[0], plan.indices, "cuda")
     assert gpu.device.type == "cuda" and gpu.shape == cpu.shape and gpu.dtype == torch.uint8
     diff = (gpu.cpu().int() - cpu.int()).abs().float()
-    assert diff.mean() <= 3.0, f"mean difference {diff.mean():.2f} levels, max {diff.max():.0f}"
+    assert diff.mean() <= 2.5 and diff.max() <= 32, f"mean difference {diff.mean():.2f} levels, max {diff.max():.0f}"
 
 
 def test_video_data_covers_the_cases(video_runs):

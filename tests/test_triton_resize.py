@@ -80,13 +80,16 @@ def test_interpreted_triton_resize_gives_the_cpu_kernels_patches(tmp_path):
 # (sm_90: H100 / H200, the machines lent) and Ampere (sm_80). The interpreter above checks the arithmetic; it is
 # lenient about what the compiler rejects.
 COMPILE = r"""
+import torch
 import triton
+from triton.backends import backends
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import create_function_from_signature
 from ingest import _triton_kernels as kernels
 from ingest.triton_resize import BLOCK, PARAMS
 
-pointers = {"params": "*i32", "starts": "*i32", "images": "i32", "axes": "*i32", "weights": "*i32"}
+pointers = {"table": "*i32", "starts": "*i32", "images": "i32", "axes": "*i32", "weights": "*i32"}
 for fn, images, extra in (
     (kernels.across, {"src": "*u8", "mid": "*u8"}, {}),
     (kernels.down, {"mid": "*u8", "out": "*u8"}, {"PATCH": 14, "MERGE": 2}),
@@ -96,8 +99,15 @@ for fn, images, extra in (
     assert list(signature) == fn.arg_names, (fn.arg_names, list(signature))
     constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
     for arch in (90, 80):
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))
+        target = GPUTarget("cuda", arch, 32)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target)
         assert compiled.asm["cubin"], (fn.__name__, arch)
+    # the launch's argument binder (kernel[grid](...) runs it first): a kernel argument that shares a name with its
+    # locals breaks every launch ("failed to specialize argument of type: dict", on the first GPU run)
+    binder = create_function_from_signature(fn.signature, fn.params, backends["nvidia"].compiler(target))
+    values = {name: 3 if kind == "i32" else torch.zeros(4, dtype=torch.int32) for name, kind in signature.items()}
+    _, specialization, _ = binder(**{**values, **constants})
+    assert len(specialization) == len(signature), (fn.__name__, specialization)
 print("ok")
 """
 
