@@ -201,9 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--device-resize",
         nargs="+",
-        default=["torch"],
-        choices=["torch", "triton"],
-        help="vision only: the GPU pools' image resize; each after the first runs those pools again (torch)",
+        default=["auto"],
+        choices=["auto", "torch", "triton"],  # ingest.config.DEVICE_RESIZES
+        help="vision only: the GPU pools' image resize (vision_device_resize); each after the first runs those "
+        "pools again (auto: triton where it runs)",
     )
     bench.add_argument(
         "--layouts",

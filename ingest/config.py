@@ -12,9 +12,10 @@ from ingest.memory import ARROW_MEMORY_POOLS, DEFAULT_ARROW_MEMORY_POOL
 # how the vision stage may decode video files (vision_video_decoder): torchcodec on CUDA where it loads, else PyAV
 # ("auto"), or one of them on any device
 VIDEO_DECODERS = ("auto", "pyav", "torchcodec")
-# how the vision actors resize images on a CUDA device (vision_device_resize): "torch" (float passes per image,
-# within 2 levels of the CPU kernel) or "triton" (two kernels per block, the CPU kernel's bytes)
-DEVICE_RESIZES = ("torch", "triton")
+# how the vision actors resize images on a CUDA device (vision_device_resize): "triton" (two kernels per block, the
+# CPU kernel's bytes), "torch" (float passes per image, within 2 levels of the CPU kernel), or "auto": triton where it
+# imports and runs, else torch
+DEVICE_RESIZES = ("auto", "torch", "triton")
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,11 @@ class DataConfig:
     # "torchcodec" (on the actor's device, also the CPU: there its frames are PyAV's; it needs FFmpeg's libraries,
     # `python -m ingest ffmpeg-libdir` lends it PyAV's)
     vision_video_decoder: str = "auto"
-    # the vision actors' image resize on CUDA: "torch" (two float passes per image: within 2 levels of the CPU
-    # kernel) or "triton" (ingest/triton_resize.py: a block in two kernels, the CPU kernel's bytes exactly; needs
-    # triton, which CUDA builds of torch bring). The CPU always runs the uint8 kernel
-    vision_device_resize: str = "torch"
+    # the vision actors' image resize on CUDA: "triton" (ingest/triton_resize.py: a block in two kernels, the CPU
+    # kernel's bytes exactly; needs triton, which CUDA builds of torch bring), "torch" (two float passes per image:
+    # within 2 levels of the CPU kernel), or "auto": triton where it imports and its kernels run, else torch (with a
+    # warning). The CPU always runs the uint8 kernel
+    vision_device_resize: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system measured ~20% less CPU for read + tokenize + decode

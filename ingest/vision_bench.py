@@ -13,7 +13,8 @@ start-up is not on it.
   ``vision_decode_jpeg_on_device`` (its blocks keep the JPEGs encoded, so the actor decodes them with nvJPEG);
   ``cuda x2`` / ``cuda x4``: 2 actors x 0.5 GPU (the CPU pool's 2 host cores) / 4 actors x 0.25 GPU sharing the
   device (fractional GPUs: one actor's host-side work, launching kernels and Arrow in and out, overlaps the others');
-  ``--device-resize torch triton``: those GPU pools again with the Triton resize (``vision_device_resize``).
+  ``--device-resize auto torch``: those GPU pools again with torch's float resize (``vision_device_resize``;
+  ``auto``, the default, is the Triton resize where triton runs).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _vision_actor(num_cpus: float, num_gpus: float):
 
     @ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)
     class VisionBenchActor:
-        def __init__(self, processor: str, device: str, device_resize: str = "torch"):
+        def __init__(self, processor: str, device: str, device_resize: str = "auto"):
             from ingest.stages.vision import VisionStage
 
             self.stage = VisionStage(processor, device, device_resize=device_resize)
@@ -119,7 +120,7 @@ def bench_vision(
     gpu: bool | None = None,
     passes: int = 1,
     gpu_actors: tuple[int, ...] = SHARED_GPU_ACTORS,
-    device_resizes: tuple[str, ...] = ("torch",),
+    device_resizes: tuple[str, ...] = ("auto",),
 ) -> dict:
     """The CPU pool, then (with a CUDA device, or ``gpu=True``) the GPU actor with and without device JPEG decode,
     and ``gpu_actors`` actors sharing the GPU; every pool goes over the blocks ``passes`` times. ``device_resizes``:
@@ -136,7 +137,7 @@ def bench_vision(
     out = _work_dir(work_dir) / f"geo3k-{rows}"
     files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, rows, row_group_size=100)
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    runs = [("cpu", CPU_POOL, False, "torch")]
+    runs = [("cpu", CPU_POOL, False, "auto")]  # on the CPU: the uint8 kernel, whatever the setting
     if gpu:
         first, *others = device_resizes
         runs += [("cuda", GPU_POOL, False, first), ("cuda+jpeg", GPU_POOL, True, first)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ingest.config import DataConfig
-from ingest.stages.vision import resize_kernel
+from ingest.stages.vision import VisionStage, resize_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,14 +120,37 @@ def test_triton_kernels_compile_for_hopper_and_ampere(tmp_path):
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
 
 
-def test_device_resize_setting():
-    assert DataConfig().vision_device_resize == "torch"
+def test_device_resize_setting(monkeypatch):
+    assert DataConfig().vision_device_resize == "auto"
     with pytest.raises(ValueError, match="vision_device_resize must be one of"):
         DataConfig(vision_device_resize="cuda")
     assert resize_kernel("torch", "cuda") == "torch"
     assert resize_kernel("triton", "cpu") == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch")
+    assert resize_kernel("auto", "cpu") == "torch"  # the C uint8 kernel: the same bytes, no torch or triton import
+    assert resize_kernel("auto", "cuda:1") == "triton"  # triton imports here (torch's wheels bring it)
     with pytest.raises(ValueError, match="vision_device_resize"):
         resize_kernel("nearest", "cpu")
+    monkeypatch.setattr("ingest.triton_resize.triton_available", lambda: "ImportError: no triton")
+    assert resize_kernel("auto", "cuda") == "torch"
+    with pytest.raises(RuntimeError, match="triton does not import here"):
+        resize_kernel("triton", "cuda")
+
+
+def test_auto_falls_back_to_torch_where_the_triton_kernels_do_not_run(monkeypatch, caplog):
+    """ "auto" picks Triton on CUDA; where its kernels then fail (here: really launched on CPU tensors without the
+    interpreter, which Triton refuses), the actor warns and resizes with torch's kernels. An explicit "triton" fails."""
+    from ingest.offline import build_offline_model_dir
+    from ingest.stages import vision
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(vision, "resize_kernel", lambda choice, device: "triton")
+    model = str(build_offline_model_dir())
+    with caplog.at_level("WARNING", logger="ingest.stages.vision"):
+        stage = VisionStage(model, "cpu", device_resize="auto")
+    assert stage.resize_kernel == "torch"
+    assert "the Triton resize failed on cpu" in caplog.text
+    with pytest.raises(Exception):  # noqa: B017 - whatever Triton raises for that launch
+        VisionStage(model, "cpu", device_resize="triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

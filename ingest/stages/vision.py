@@ -14,6 +14,7 @@ row by the grids, which must equal the ones the tokenize stage derived from head
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -59,6 +60,7 @@ from ingest.vision import (
     with_rgb,
 )
 
+logger = logging.getLogger(__name__)
 MULTI_MODAL_DATA = "multi_modal_data"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 _TENSOR_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
@@ -366,18 +368,20 @@ def _ray_actor_gpu_ids() -> list[str] | None:
 def resize_kernel(device_resize: str, device: str) -> str:
     """The image resize ``ImagePixels.patches`` runs for ``vision_device_resize`` on ``device``: "triton" on CUDA
     (and on the CPU under ``TRITON_INTERPRET=1``, the tests' way to run it), else "torch" (on the CPU: the C uint8
-    kernel, whose bytes the Triton kernels reproduce)."""
+    kernel, whose bytes the Triton kernels reproduce). "auto": "triton" on CUDA where triton imports, else "torch";
+    on the CPU it imports nothing (a CPU vision actor never imports torch or triton)."""
     if device_resize not in DEVICE_RESIZES:
         raise ValueError(f"vision_device_resize must be one of {DEVICE_RESIZES}, got {device_resize!r}")
-    if device_resize != "triton":
+    if device_resize == "torch":
         return "torch"
-    if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.startswith("cuda") or (device_resize == "triton" and interpreted):
         from ingest.triton_resize import triton_available
 
         why = triton_available()
-        if why:
+        if why and device_resize == "triton":
             raise RuntimeError(f"vision_device_resize: triton, but triton does not import here ({why})")
-        return "triton"
+        return "torch" if why else "triton"
     return "torch"
 
 
@@ -396,7 +400,7 @@ class VisionStage:
         video_key: str = "videos",
         keep_provenance: bool = False,
         video_decoder: str = "auto",
-        device_resize: str = "torch",
+        device_resize: str = "auto",
     ):
         limit_torch_threads()
         # for rows with media the decode stage left to this one (vision_decode_jpeg_on_device,
@@ -413,10 +417,29 @@ class VisionStage:
         self.pixels = ImagePixels.from_dir(processor_path)
         self.resize_kernel = resize_kernel(device_resize, self.device)
         if self.pixels is not None:  # first-call set-up (the torch import, a kernel's compile) here
-            self.pixels.patches([np.zeros((28, 28, 3), dtype=np.uint8)], self.device, kernel=self.resize_kernel)
+            self._warm_up(device_resize)
         self._image_processor = None if self.pixels is not None else self._load_image_processor()
         self._video_processor = None  # loaded on the first video
         self.return_multi_modal_inputs = return_multi_modal_inputs
+
+    def _warm_up(self, device_resize: str) -> None:
+        """Resize one tiny image with the chosen kernel. Where "auto" chose Triton and its kernels do not build or
+        run on this device (a GPU its compiler does not target, say), fall back to torch's, saying why, once."""
+        tiny = [np.zeros((28, 28, 3), dtype=np.uint8)]
+        try:
+            self.pixels.patches(tiny, self.device, kernel=self.resize_kernel)
+        except Exception as exc:
+            if device_resize != "auto" or self.resize_kernel == "torch":
+                raise
+            logger.warning(
+                "vision_device_resize: auto: the Triton resize failed on %s (%s: %s); this actor resizes with "
+                "torch's float kernels instead (within 2 levels of the CPU kernel, not its bytes)",
+                self.device,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
+            self.resize_kernel = "torch"
+            self.pixels.patches(tiny, self.device, kernel="torch")
 
     @classmethod
     def from_config(

@@ -26,7 +26,7 @@ class Vision:
 
         if pageable:  # the upload before fbc5e97: straight from the block's (pageable) memory
             P.upload = lambda buffer, dev: torch.from_numpy(buffer).to(dev)
-        self.stage = VisionStage(model, device)
+        self.stage = VisionStage(model, device, device_resize="torch")  # the A/B was of the float path
 
     def run(self, block):
         return self.stage(block)

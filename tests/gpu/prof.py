@@ -70,7 +70,7 @@ def old_resize(images, height, width, native_uint8=None):
 
 
 new_up, new_rs = P.device_images, P.resize_bicubic
-stage = VisionStage(model, DEV)
+stage = VisionStage(model, DEV, device_resize="torch")  # the float path; the Triton one below
 res["new"] = rate(stage)
 P.device_images = old_device_images
 res["old_upload_new_resize"] = rate(stage)

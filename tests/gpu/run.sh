@@ -29,7 +29,7 @@ except Exception as e:
     print("torchcodec not importable:", type(e).__name__)
 PY
 [ -n "$SKIP_BENCH" ] || { t "bench vision"
-timeout ${BENCH_TIMEOUT:-300} python3 -m ingest bench vision --rows 1000 --passes ${PASSES:-20} --gpu-actors ${GPU_ACTORS:-4 8 12 16} --device-resize ${DEVICE_RESIZE:-torch} --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
+timeout ${BENCH_TIMEOUT:-300} python3 -m ingest bench vision --rows 1000 --passes ${PASSES:-20} --gpu-actors ${GPU_ACTORS:-4 8 12 16} --device-resize ${DEVICE_RESIZE:-auto} --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
 echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/bench_vision.err; }
 [ -z "$QUICK_CHECK" ] || { t "quick check"; timeout 120 python3 tests/gpu/quick_check.py /tmp/bench/geo3k-1000 2>&1 | grep -v -i warn | tail -4; }
 [ -z "$AB_UPLOAD" ] || { t "upload A/B"; timeout 300 python3 tests/gpu/ab_upload.py /tmp/bench/geo3k-1000 2>&1 | grep -v -i "warn\|info" | tail -8; }
