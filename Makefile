@@ -8,7 +8,7 @@ ORACLE := .oracle/.installed
 
 .PHONY: install oracle demo test lint bench clean
 
-$(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/_resize.c
+$(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/media/_resize.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements/main.txt -r requirements/test.txt

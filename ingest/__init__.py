@@ -15,11 +15,11 @@ _EXPORTS = {
     "IngestError": "ingest.errors",
     "ModelLoadError": "ingest.errors",
     "PromptStream": "ingest.stream",
-    "SFTCollate": "ingest.sft.dataset",
+    "SFTCollate": "ingest.datasets.sft",
     "SourceError": "ingest.errors",
-    "VerlCollate": "ingest.collate",
-    "build_dataset": "ingest.pipeline",
-    "build_sft_dataset": "ingest.sft.dataset",
+    "VerlCollate": "ingest.rowformat.collate",
+    "build_dataset": "ingest.datasets.rl",
+    "build_sft_dataset": "ingest.datasets.sft",
     "iter_batch_refs": "ingest.feed",
 }
 
@@ -38,12 +38,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ingest.collate import VerlCollate
     from ingest.config import DataConfig
+    from ingest.datasets.rl import build_dataset
+    from ingest.datasets.sft import SFTCollate, build_sft_dataset
     from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
     from ingest.feed import iter_batch_refs
-    from ingest.pipeline import build_dataset
-    from ingest.sft.dataset import SFTCollate, build_sft_dataset
+    from ingest.rowformat.collate import VerlCollate
     from ingest.stream import PromptStream
 
 

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.errors import BadRowError
-
-FILE_COLUMN = "_ingest_file"  # index into the run's file list
-ROW_COLUMN = "_ingest_row"  # 0-based row in that file
-PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
 
 
 @dataclass

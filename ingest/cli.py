@@ -1,4 +1,5 @@
-"""``python -m ingest``: run the pipeline, build the offline tokenizer, generate sample data, benchmark."""
+"""``python -m ingest``: run the pipeline, build the offline tokenizer, write the demo dataset. (``bench`` is the
+dev tooling's: ``ingest.devtools.cli``.)"""
 
 from __future__ import annotations
 
@@ -6,30 +7,9 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
+from ingest.demo import DEFAULT_SAMPLE_ROWS, ensure_sample
 from ingest.errors import IngestError, find_ingest_error
-
-DEFAULT_SAMPLE_ROWS = 20_000
-
-
-def default_sample_dir() -> Path:
-    from ingest.offline import default_model_dir
-
-    return default_model_dir().parent / "sample" / f"gsm8k-{DEFAULT_SAMPLE_ROWS}"
-
-
-def ensure_sample(out_dir: Path | None = None, rows: int = DEFAULT_SAMPLE_ROWS, **kwargs) -> list[str]:
-    """The embedded sample dataset (gsm8k-shaped, 1% overlong prompts), generated once."""
-    from ingest.sample import write_gsm8k_parquet
-
-    out = Path(out_dir) if out_dir else default_sample_dir()
-    existing = sorted(str(p) for p in out.glob("*.parquet"))
-    if existing:
-        return existing
-    kwargs.setdefault("num_files", 4)
-    kwargs.setdefault("long_every", 100)
-    return write_gsm8k_parquet(out, rows, **kwargs)
 
 
 def load_run_config(path: str | None) -> tuple[dict, dict]:
@@ -61,8 +41,8 @@ RUN_KEYS = ("files", "tokenizer", "processor", "output", "quarantine_dir")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ingest.offline import EMBEDDED_NAME
     from ingest.run import run_pipeline, write_summary_json
+    from ingest.tokenizer.offline import EMBEDDED_NAME
 
     data, run = load_run_config(args.config)
     files = args.files or run.get("files")
@@ -88,70 +68,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tokenizer(args: argparse.Namespace) -> int:
-    from ingest.offline import build_offline_model_dir
+    from ingest.tokenizer.offline import build_offline_model_dir
 
     print(build_offline_model_dir(args.out, force=args.force))
     return 0
 
 
 def cmd_ffmpeg_libdir(args: argparse.Namespace) -> int:
-    from ingest.video import pyav_ffmpeg_libdir
+    from ingest.media.video import pyav_ffmpeg_libdir
 
     print(pyav_ffmpeg_libdir(args.dest))
     return 0
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from ingest.sample import write_gsm8k_parquet
+    from ingest.demo import write_gsm8k_parquet
 
     paths = write_gsm8k_parquet(
         args.out, args.rows, num_files=args.files, variety=args.variety, long_every=args.long_every
     )
     print("\n".join(paths))
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from ingest.bench import MM_LAYOUTS, bench_mm, bench_text
-
-    if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
-        from ingest.sft.bench import bench_sft
-
-        print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
-        return 0
-    if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
-        from ingest.scale import bench_scale
-
-        print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
-        return 0
-    if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
-        from ingest.bench import bench_refs
-
-        print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
-        return 0
-    if args.kind == "vision":  # images/s of the vision pool alone: 2-core CPU pool vs a GPU actor (default 1000)
-        from ingest.vision_bench import SHARED_GPU_ACTORS, bench_vision
-
-        result = bench_vision(
-            rows=(args.rows or [1000])[0],
-            work_dir=args.work_dir,
-            passes=args.passes,
-            gpu_actors=tuple(args.gpu_actors or SHARED_GPU_ACTORS),
-            device_resizes=tuple(args.device_resize),
-        )
-        print(json.dumps(result, indent=2))
-        return 0
-    if args.kind == "mm":
-        result = bench_mm(
-            rows=args.rows or [1000],
-            work_dir=args.work_dir,
-            skip_verl=args.skip_verl,
-            warm_workers=args.warm_workers,
-            layouts=args.layouts or tuple(MM_LAYOUTS),
-        )
-    else:
-        result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
-    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -189,34 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--variety", action="store_true", help="system / multi-turn / unicode / kwargs rows")
     sample.set_defaults(func=cmd_sample)
 
-    bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision"])
-    bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
-    bench.add_argument("--work-dir", default=None)
-    bench.add_argument("--skip-verl", action="store_true")
-    bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
-    bench.add_argument(
-        "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"
-    )
-    bench.add_argument(
-        "--device-resize",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "torch", "triton"],  # ingest.config.DEVICE_RESIZES
-        help="vision only: the GPU pools' image resize (vision_device_resize); each after the first runs those "
-        "pools again (auto: triton where it runs)",
-    )
-    bench.add_argument(
-        "--layouts",
-        nargs="+",
-        help="mm only: our layouts to run, in this order (one_pool decode_in_tokenizer decode_pool)",
-    )
-    bench.add_argument(
-        "--warm-workers",
-        action="store_true",
-        help="mm only, a diagnostic: our actors start in prestarted workers that imported Ray Data and torch",
-    )
-    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""``DataConfig``: verl 0.5.0's ``data`` keys (with the dataset's code defaults) plus this pipeline's own keys."""
+"""``DataConfig``: verl 0.5.0's ``data`` keys (with the dataset's code defaults) plus this pipeline's own keys; and
+``StageContext``, what a stage knows of its run besides the config. Both travel to every actor as they are."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class DataConfig:
     # "torchcodec" (on the actor's device, also the CPU: there its frames are PyAV's; it needs FFmpeg's libraries,
     # `python -m ingest ffmpeg-libdir` lends it PyAV's)
     vision_video_decoder: str = "auto"
-    # the vision actors' image resize on CUDA: "triton" (ingest/triton_resize.py: a block in two kernels, the CPU
+    # the vision actors' image resize on CUDA: "triton" (ingest/media/triton_resize.py: a block in two kernels, the CPU
     # kernel's bytes exactly; needs triton, which CUDA builds of torch bring), "torch" (two float passes per image:
     # within 2 levels of the CPU kernel), or "auto": triton where it imports and its kernels run, else torch (with a
     # warning). The CPU always runs the uint8 kernel
@@ -187,3 +188,17 @@ class DataConfig:
 
 def _is_omegaconf(obj: object) -> bool:
     return type(obj).__module__.startswith("omegaconf")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a stage needs of its run besides the ``DataConfig``: the run's files as errors and quarantine records name
+    them (secrets redacted; indexed by the provenance column ``_ingest_file``), the ``RunLedger`` actor its counts go
+    to (None: not counted), and whether the provenance columns stay on the rows (``PromptStream`` needs them)."""
+
+    files: tuple[str, ...] = ()
+    ledger: Any = None
+    keep_provenance: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", tuple(self.files))

@@ -130,7 +130,7 @@ def iter_batch_refs(
     before the method runs. A pipeline error (e.g. ``BadRowError``) is stored in place of the next batch and raised
     where that ref is resolved. Closing the iterator early cancels the producer.
     """
-    from ingest.collate import VerlCollate
+    from ingest.rowformat.collate import VerlCollate
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import ray
 
 from ingest.config import DataConfig
+from ingest.datasets.plan import FilesArg, InputPlan, plan_input
+from ingest.datasets.rl import build_dataset
 from ingest.errors import IngestError, SourceError
-from ingest.pipeline import FilesArg, InputPlan, build_dataset, plan_input
-from ingest.sources import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
+from ingest.read.files import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
 from ingest.stats import RunLedger, RunSummary
 
 OUTPUT_ROWS_PER_FILE = 50_000

@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import FILE_COLUMN, ROW_COLUMN
-from ingest.collate import VerlCollate
+from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
-from ingest.pipeline import FilesArg, InputPlan, build_dataset, plan_input
-from ingest.read import ReadUnit
+from ingest.datasets.plan import FilesArg, InputPlan, plan_input
+from ingest.datasets.rl import build_dataset
+from ingest.read.units import ReadUnit
+from ingest.rowformat.collate import VerlCollate
 
 STATE_VERSION = 1
 

@@ -33,7 +33,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from ingest.offline import build_offline_model_dir
+    from ingest.tokenizer.offline import build_offline_model_dir
 
     return str(build_offline_model_dir())
 
@@ -41,7 +41,7 @@ def model_dir():
 @pytest.fixture(scope="session")
 def variety_files(tmp_path_factory):
     """gsm8k-shaped rows with everything the parity contract lists, over 3 files."""
-    from ingest.sample import write_gsm8k_parquet
+    from ingest.demo import write_gsm8k_parquet
 
     return write_gsm8k_parquet(
         tmp_path_factory.mktemp("variety"), 210, num_files=3, row_group_size=25, variety=True, long_every=23

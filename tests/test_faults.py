@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from ingest import VerlCollate, build_dataset
-from ingest.sample import write_gsm8k_parquet
+from ingest.demo import write_gsm8k_parquet
 from ingest.stats import RunLedger
 
 

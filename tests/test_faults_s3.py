@@ -44,9 +44,9 @@ import pytest
 import ray
 
 from ingest import SourceError, VerlCollate, build_dataset
+from ingest.demo import write_gsm8k_parquet
 from ingest.errors import find_ingest_error
-from ingest.sample import write_gsm8k_parquet
-from ingest.sources import filesystem_for
+from ingest.read.files import filesystem_for
 from ingest.stats import RunLedger
 from tests.helpers import moto_s3
 

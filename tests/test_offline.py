@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.models import ChatTokenizer
-from ingest.sample import gsm8k_rows
+from ingest.demo import gsm8k_rows
+from ingest.tokenizer.chat import ChatTokenizer
 
 
 def test_offline_tokenizer_is_qwen(model_dir):
@@ -31,7 +31,7 @@ def both_paths(model_dir):
     slow = ChatTokenizer.__new__(ChatTokenizer)
     slow.path = model_dir
     slow._load_transformers(model_dir, trust_remote_code=False)
-    from ingest.chat_template import compile_chat_template
+    from ingest.tokenizer.template import compile_chat_template
 
     slow._template = compile_chat_template(slow.chat_template)
     slow._fast_render = None  # Jinja only
@@ -57,8 +57,8 @@ def test_plain_python_qwen2_vl_renderer_equals_jinja():
     """The Python renderer of the embedded template gives Jinja's exact text, or None where it does not apply."""
     import random
 
-    from ingest.chat_template import compile_chat_template, qwen2_vl_text_renderer, render_chat
-    from ingest.offline import QWEN2_VL_CHAT_TEMPLATE
+    from ingest.tokenizer.offline import QWEN2_VL_CHAT_TEMPLATE
+    from ingest.tokenizer.template import compile_chat_template, qwen2_vl_text_renderer, render_chat
 
     fast = qwen2_vl_text_renderer(QWEN2_VL_CHAT_TEMPLATE)
     jinja = compile_chat_template(QWEN2_VL_CHAT_TEMPLATE)

@@ -13,9 +13,10 @@ import ray
 import torch
 
 from ingest import BadRowError, build_dataset
+from ingest.config import DataConfig, StageContext
+from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.samples import IMAGE_KINDS, encode_image, make_image, write_geo3k_parquet
 from ingest.errors import find_ingest_error
-from ingest.oracle import oracle_available, run_verl
-from ingest.sample import IMAGE_KINDS, encode_image, make_image, write_geo3k_parquet
 from ingest.stats import RunLedger
 from tests.conftest import collect
 from tests.helpers import assert_same_batches, write_media_rows
@@ -116,27 +117,28 @@ def test_deferred_jpegs_give_the_same_block_as_the_decode_stage(geo3k_files, mod
     """In-process: the decode stage leaves the JPEGs encoded (and only those), the vision stage decodes them; the
     output block equals the one of the CPU decode stage, byte for byte (pixels, info, patches)."""
     from actors.tokenize import TokenizeActor
+    from ingest.blocks import DEFERRED_JPEG_COLUMN
     from ingest.config import DataConfig
-    from ingest.pipeline import plan_input
-    from ingest.read import read_unit
-    from ingest.sources import unify_schemas
-    from ingest.stages.vision import DecodeStage, VisionStage
-    from ingest.vision import DEFERRED_JPEG_COLUMN
+    from ingest.datasets.plan import plan_input
+    from ingest.read.files import unify_schemas
+    from ingest.read.units import read_unit
+    from ingest.stages.decode import DecodeStage
+    from ingest.stages.vision import VisionStage
 
     cfg = DataConfig.from_any({**CONFIGS[2], "max_prompt_length": 4096})
     plan = plan_input(geo3k_files, cfg, multimodal=True)
     schema = unify_schemas(plan.infos)
-    tokenize = TokenizeActor(model_dir, cfg.to_dict(), geo3k_files, model_dir)
-    vision = VisionStage(model_dir, "cpu")
+    tokenize = TokenizeActor(cfg, StageContext(geo3k_files), model_dir, model_dir)
+    vision = VisionStage(model_dir, DataConfig(vision_device="cpu"))
     deferred = 0
     for unit in plan.units:
         for table in tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None)):
             table = table.slice(1)  # a block that is a slice, as Ray Data may hand one over
-            left = DecodeStage(defer_jpeg=True)(table).table
+            left = DecodeStage(DataConfig(vision_decode_jpeg_on_device=True))(table).table
             jpegs = [x for row in left.column(DEFERRED_JPEG_COLUMN).to_pylist() if row for x in row if x is not None]
             assert all(x[:2] == b"\xff\xd8" for x in jpegs)
             deferred += len(jpegs)
-            assert vision(left).equals(vision(DecodeStage()(table).table))
+            assert vision(left).equals(vision(DecodeStage(DataConfig(on_bad_row="raise"))(table).table))
     assert deferred >= 3
 
 
@@ -145,7 +147,7 @@ def test_only_complete_baseline_jpegs_are_left_to_the_device():
 
     from PIL import Image
 
-    from ingest.vision import decode_rgb, deferrable_jpeg
+    from ingest.media.image import decode_rgb, deferrable_jpeg
 
     rng = random.Random(5)
     jpeg = encode_image(*make_image("jpeg", rng))
@@ -199,7 +201,7 @@ def test_png_fast_decode_gives_pils_pixels_and_info():
 
     from PIL import Image
 
-    from ingest.vision import decode_rgb, plain_png
+    from ingest.media.image import decode_rgb, plain_png
 
     rng = random.Random(11)
     buf = io.BytesIO()
@@ -234,7 +236,7 @@ def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
 
     from PIL import Image
 
-    from ingest.vision import decode_rgb, stored_png
+    from ingest.media.image import decode_rgb, stored_png
 
     rng = random.Random(12)
     kinds = {kind: encode_image(*make_image(kind, rng)) for kind in ("png", "gray", "palette", "rgba", "wide")}
@@ -298,7 +300,7 @@ def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("device_resize", ["torch", "triton"])
 def test_cuda_vision_matches_cpu_within_tolerance(ray_session, geo3k_files, model_dir, device_resize):
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
 
     pixels = ImagePixels.from_dir(model_dir)
     gpu_config = {**CONFIGS[0], "vision_num_gpus": 1, "vision_device": "cuda", "vision_device_resize": device_resize}
@@ -335,7 +337,7 @@ def test_pixel_ops_equal_transformers_image_processor(model_dir):
     """``ImagePixels`` (torch ops, no transformers) gives transformers' Qwen2-VL processor output bit for bit."""
     from transformers import AutoImageProcessor
 
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
 
     pixels = ImagePixels.from_dir(model_dir)
     assert pixels is not None
@@ -349,12 +351,13 @@ def test_pixel_ops_equal_transformers_image_processor(model_dir):
 
 
 def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
-    """``ingest._resize`` (the CPU path's resize without torch) gives torch's uint8 antialiased bicubic kernel and the
+    """``ingest.media._resize`` (the CPU path's resize without torch) gives torch's uint8 antialiased bicubic
+    kernel and the
     processor's patch order to the bit: noise, flat colours and sharp edges, shrunk and enlarged, one side only or
     neither, one-pixel and thin images."""
-    from ingest import pixels as pixel_ops
+    from ingest.media import pixels as pixel_ops
 
-    assert pixel_ops._resize is not None, "ingest._resize was not built: pip install needs a C compiler"
+    assert pixel_ops._resize is not None, "ingest.media._resize was not built: pip install needs a C compiler"
     pixels = pixel_ops.ImagePixels.from_dir(model_dir)
     rng = np.random.default_rng(5)
     shapes = [(1, 1), (28, 28), (56, 84), (3, 500), (500, 3), (2000, 900), (1100, 1400), (28, 901), (4000, 30)]
@@ -377,9 +380,9 @@ def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
 def test_compiled_normalize_equals_the_numpy_path(model_dir, monkeypatch):
     """The consumer's uint8 patches -> float32 ``pixel_values`` in C (a per-channel table of the numpy path's float32
     ops) is bit-equal to the numpy path: every byte value, one and two frames, no patches at all."""
-    from ingest import pixels as pixel_ops
+    from ingest.media import pixels as pixel_ops
 
-    assert pixel_ops._resize is not None, "ingest._resize was not built: pip install needs a C compiler"
+    assert pixel_ops._resize is not None, "ingest.media._resize was not built: pip install needs a C compiler"
     mean, std = pixel_ops.ImagePixels.from_dir(model_dir).norm
     every_value = np.arange(4 * 3 * 16 * 16).reshape(4, 3, 16, 16) % 256  # each channel's plane: 0..255
     noise = np.random.default_rng(3).integers(0, 256, (301, 3, 14, 14))
@@ -395,13 +398,14 @@ def test_compiled_normalize_equals_the_numpy_path(model_dir, monkeypatch):
 
 
 def test_cpu_path_without_the_compiled_resize_gives_the_same_patches(model_dir, monkeypatch):
-    """Where ``ingest._resize`` was not built (no C compiler at install), the CPU path runs torch's kernel: the same
+    """Where ``ingest.media._resize`` was not built (no C compiler at install), the CPU path runs torch's kernel:
+    the same
     patches, and the vision stage's records are byte-equal."""
-    from ingest import pixels as pixel_ops
+    from ingest.media import pixels as pixel_ops
     from ingest.stages.vision import VisionStage
 
     rgbs = _sample_rgbs()
-    stage = VisionStage(model_dir, "cpu")
+    stage = VisionStage(model_dir, DataConfig(vision_device="cpu"))
     grids = [[list(g)] for g in stage.pixels.patches(rgbs)[1].tolist()]
     compiled = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
     monkeypatch.setattr(pixel_ops, "_resize", None)
@@ -420,13 +424,14 @@ def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
         def run(self, model: str) -> tuple[str, bool, bool]:
             from PIL import Image
 
+            from ingest.media.geometry import VisionSpec, image_grid
+            from ingest.media.image import decode_rgb
             from ingest.stages.vision import VisionStage
-            from ingest.vision import VisionSpec, decode_rgb, image_grid
 
             fresh = "torch" not in sys.modules
             buffer = io.BytesIO()
             Image.new("RGB", (300, 200), (10, 200, 30)).save(buffer, format="PNG")
-            stage = VisionStage(model, "auto")
+            stage = VisionStage(model, DataConfig(vision_device="auto"))
             grid = list(image_grid(300, 200, VisionSpec.from_dir(model)))
             values, _ = stage._image_inputs([[decode_rgb(buffer.getvalue())[0]]], pa.chunked_array([[[grid]]]))
             assert values[0].as_py()["shape"][0] == grid[1] * grid[2]
@@ -442,15 +447,15 @@ def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
 def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model_dir):
     """The vision stage's ``pixel_values`` records hold uint8 patches (an eighth of the float32 bytes); the collate
     turns them into exactly the processor's float32 values, per row, on the requested device."""
-    from ingest.collate import _media_inputs
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
+    from ingest.rowformat.collate import _media_inputs
     from ingest.stages.vision import VisionStage
 
     pixels = ImagePixels.from_dir(model_dir)
     rgbs = _sample_rgbs()
     expected, grids = pixels(rgbs)
     rows = [rgbs[:2], None, rgbs[2:]]
-    stage = VisionStage(model_dir)
+    stage = VisionStage(model_dir, DataConfig(vision_device="cpu"))
     per_row = [grids[:2].tolist(), [], grids[2:].tolist()]
     values, image_grids = stage._image_inputs(rows, pa.chunked_array([per_row]))
     record = values[0].as_py()
@@ -480,7 +485,7 @@ def test_vision_stage_holds_torch_threads_to_the_actors_cpu_share(model_dir, mon
     try:
         torch.set_num_threads(2)
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        VisionStage(model_dir, "cpu")
+        VisionStage(model_dir, DataConfig(vision_device="cpu"))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -499,7 +504,7 @@ def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_fil
 
 def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
     """The GPU path's code (float resize passes) run on the CPU: grids equal, pixels within two uint8 levels."""
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
 
     pixels = ImagePixels.from_dir(model_dir)
     rgbs = _sample_rgbs()
@@ -514,9 +519,9 @@ def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
 def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
     """Images that view one buffer become views of one uploaded tensor (one transfer per batch); others, and
     tensors already on the device, go as they are. A decoded block's images are such views."""
-    from ingest.pixels import _shared_span, device_images
-    from ingest.vision import rgb_arrays
-    from ingest.vision_bench import decoded_blocks
+    from ingest.blocks import rgb_arrays
+    from ingest.devtools.vision_bench import decoded_blocks
+    from ingest.media.pixels import _shared_span, device_images
 
     rgbs = _sample_rgbs()
     buffer = np.concatenate([rgb.reshape(-1) for rgb in rgbs])
@@ -540,8 +545,8 @@ def test_device_patches_come_back_into_reused_host_buffers(model_dir):
     """A device's patches land in a ``DEVICE_PATCHES`` buffer, page-locked where CUDA is (one DMA back), reused
     once the block is gone; ``pinned_or_pageable`` gives ordinary memory without CUDA. The copy-back itself runs
     with a device: ``test_cuda_vision_matches_cpu_within_tolerance`` and ``tests/gpu``."""
+    from ingest.media.pixels import DEVICE_PATCHES, ImagePixels, host_array
     from ingest.memory import pinned_or_pageable
-    from ingest.pixels import DEVICE_PATCHES, ImagePixels, host_array
 
     array = pinned_or_pageable(1000)
     assert array.dtype == np.uint8 and array.shape == (1000,)
@@ -565,7 +570,7 @@ def test_other_image_processors_go_through_transformers(model_dir, tmp_path):
 
     from transformers import AutoImageProcessor
 
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
     from ingest.stages.vision import VisionStage
 
     model = tmp_path / "model"
@@ -573,7 +578,7 @@ def test_other_image_processors_go_through_transformers(model_dir, tmp_path):
     config = json.loads((model / "preprocessor_config.json").read_text())
     (model / "preprocessor_config.json").write_text(json.dumps({**config, "do_normalize": False}))
     assert ImagePixels.from_dir(model) is None
-    stage = VisionStage(str(model), "cpu")
+    stage = VisionStage(str(model), DataConfig(vision_device="cpu"))
     rgbs = _sample_rgbs()[:3]
     values, grids = stage.pixel_values(rgbs)
     assert stage.pixels is None
@@ -717,7 +722,7 @@ def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp
 def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):
     """``bench vision``'s blocks are the decode stage's output and its pool runs ``VisionStage`` on them (a smoke
     test of the command's parts on the session's Ray: no timing asserted)."""
-    from ingest.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool
+    from ingest.devtools.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool
 
     blocks = decoded_blocks(geo3k_files, model_dir)
     assert sum(image_count(b) for b in blocks) >= sum(b.num_rows for b in blocks) > 0

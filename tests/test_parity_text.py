@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ingest import BadRowError, build_dataset
+from ingest.devtools.oracle import oracle_available, run_verl
 from ingest.errors import find_ingest_error
-from ingest.oracle import oracle_available, run_verl
 from tests.conftest import collect
 from tests.helpers import assert_same_batches
 

@@ -8,11 +8,11 @@ import ray
 import torch
 
 from ingest import build_dataset
+from ingest.config import DataConfig, StageContext
+from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.samples import make_video_file, write_video_parquet
 from ingest.errors import BadRowError, find_ingest_error
-from ingest.oracle import oracle_available, run_verl
-from ingest.sample import make_video_file, write_video_parquet
-from ingest.stats import RunLedger
-from ingest.video import (
+from ingest.media.video import (
     decode_video_file,
     frame_indices,
     probe_video,
@@ -23,6 +23,7 @@ from ingest.video import (
     video_file_decoder,
     video_size,
 )
+from ingest.stats import RunLedger
 from tests.conftest import collect
 from tests.helpers import assert_same_batches, write_media_rows
 
@@ -106,13 +107,18 @@ def test_torchcodec_decodes_pyavs_frames_on_the_cpu(tmp_path):
 
 
 def test_an_explicit_torchcodec_that_does_not_load_fails_at_actor_start(model_dir, monkeypatch):
-    from ingest import video
+    from ingest.media import video
     from ingest.stages.vision import VisionStage
 
     monkeypatch.setattr(video, "torchcodec_error", lambda: "it found no FFmpeg libraries it can load")
     with pytest.raises(RuntimeError, match=r"torchcodec does not load here .*ingest ffmpeg-libdir"):
-        VisionStage(model_dir, "cpu", video_decoder="torchcodec")
-    assert VisionStage(model_dir, "cpu").video_decoder == "auto"  # "auto" falls back to PyAV instead
+        VisionStage(
+            model_dir,
+            DataConfig(vision_device="cpu", vision_video_decoder="torchcodec", vision_decode_video_on_device=True),
+        )
+    assert (
+        VisionStage(model_dir, DataConfig(vision_device="cpu")).video_decoder == "auto"
+    )  # "auto" falls back to PyAV instead
 
 
 def test_ffmpeg_libdir_lends_torchcodec_pyavs_libraries(tmp_path):
@@ -132,7 +138,7 @@ def test_ffmpeg_libdir_lends_torchcodec_pyavs_libraries(tmp_path):
     names = os.listdir(libdir)
     assert {"libavcodec", "libavformat", "libavutil", "libswscale"} <= {n.split(".so.")[0] for n in names}
     assert all(os.path.exists(os.path.join(libdir, n)) for n in names)  # no dangling link
-    probe = [sys.executable, "-c", "from ingest.video import torchcodec_error as e; print(e())"]
+    probe = [sys.executable, "-c", "from ingest.media.video import torchcodec_error as e; print(e())"]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     try:
         import torchcodec  # noqa: F401
@@ -156,28 +162,29 @@ def test_deferred_video_files_give_the_same_block_as_the_decode_stage(model_dir,
     """In-process: the decode stage leaves video files encoded (frame lists it decodes), the vision stage decodes
     them; the output block equals the one of the CPU decode stage, byte for byte."""
     from actors.tokenize import TokenizeActor
+    from ingest.blocks import DEFERRED_VIDEO_COLUMN
     from ingest.config import DataConfig
-    from ingest.pipeline import plan_input
-    from ingest.read import read_unit
-    from ingest.sources import unify_schemas
-    from ingest.stages.vision import DecodeStage, VisionStage
-    from ingest.vision import DEFERRED_VIDEO_COLUMN
+    from ingest.datasets.plan import plan_input
+    from ingest.read.files import unify_schemas
+    from ingest.read.units import read_unit
+    from ingest.stages.decode import DecodeStage
+    from ingest.stages.vision import VisionStage
 
     cfg = DataConfig.from_any({"max_prompt_length": 4096, "shuffle": False})
-    vision = VisionStage(model_dir, "cpu")
+    vision = VisionStage(model_dir, DataConfig(vision_device="cpu"))
     deferred = decoded = 0
     for kind, rows in (("file", 6), ("frames", 4)):
         files = write_video_parquet(tmp_path / kind, rows, kind=kind)
         plan = plan_input(files, cfg, multimodal=True)
         schema = unify_schemas(plan.infos)
-        tokenize = TokenizeActor(model_dir, cfg.to_dict(), files, model_dir)
+        tokenize = TokenizeActor(cfg, StageContext(files), model_dir, model_dir)
         for unit in plan.units:
             for table in tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None)):
-                left = DecodeStage(defer_video=True)(table).table
+                left = DecodeStage(DataConfig(vision_decode_video_on_device=True))(table).table
                 entries = [x for row in left.column(DEFERRED_VIDEO_COLUMN).to_pylist() if row for x in row]
                 deferred += sum(x is not None for x in entries)
                 decoded += sum(x is None for x in entries)  # frame lists: decoded by the decode stage as before
-                assert vision(left).equals(vision(DecodeStage()(table).table))
+                assert vision(left).equals(vision(DecodeStage(DataConfig(on_bad_row="raise"))(table).table))
     assert deferred >= 6 and decoded >= 4
 
 
@@ -237,7 +244,8 @@ def test_video_file_that_fails_to_decode_in_the_vision_actor_raises_naming_file_
 def test_cuda_video_decode_is_close_to_pyav(tmp_path):
     """torchcodec (NVDEC) against PyAV on the same file. The same frames (index and count exact); NVDEC's YUV -> RGB
     conversion is not FFmpeg's swscale, so pixels are compared within a bound: on an H100 (2026-11-26,
-    ``tests/gpu/video_check.py``) this clip was 1.55 levels off on average, at most 21; five clips 1.13-2.25 and at
+    ``ingest/devtools/gpu/video_check.py``) this clip was 1.55 levels off on average, at most 21; five clips
+    1.13-2.25 and at
     most 26, 25-40% of values equal."""
     needs_torchcodec()
     assert video_file_decoder("cuda") == "torchcodec"

@@ -11,9 +11,9 @@ import pytest
 import ray
 
 from ingest import DataConfig, VerlCollate, build_dataset
-from ingest.accounting import FILE_COLUMN, ROW_COLUMN
-from ingest.read import plan_units, read_unit, split_first_unit
-from ingest.sources import inspect_files
+from ingest.blocks import FILE_COLUMN, ROW_COLUMN
+from ingest.read.files import inspect_files
+from ingest.read.units import plan_units, read_unit, split_first_unit
 from ingest.stats import RunLedger
 from tests.conftest import collect
 
@@ -66,7 +66,7 @@ def test_blocks_are_arrow_native(ray_session, variety_files, model_dir):
 
 
 def test_pad_flat_matches_verls_padding_and_positions():
-    from ingest.rowformat import flatten_ids, pad_flat
+    from ingest.rowformat.text import flatten_ids, pad_flat
 
     rows = [[5, 6, 7], [], [1, 2, 3, 4, 5, 6], [9]]
     input_ids, mask, positions = pad_flat(*flatten_ids(rows), 6, 0)
@@ -169,9 +169,9 @@ def test_collate_defaults_and_one_dimensional_arrays():
 _IMPORT_PROBE = """
 import sys
 import actors.vision
-heavy = [m for m in ("jinja2", "ingest.pipeline", "ingest.sft", "actors.sft", "actors.tokenize") if m in sys.modules]
+heavy = [m for m in ("jinja2", "ingest.datasets.rl", "ingest.sft", "actors.sft", "actors.tokenize") if m in sys.modules]
 import actors, ingest
-assert ingest.build_dataset.__module__ == "ingest.pipeline"
+assert ingest.build_dataset.__module__ == "ingest.datasets.rl"
 assert actors.TokenizeActor.__name__ == "TokenizeActor"
 try:
     ingest.no_such_name
@@ -183,16 +183,17 @@ print(heavy)
 
 
 @ray.remote(max_calls=1)  # a new worker process each call: the pool setting is per process
-def _arrow_pool_in_a_new_actor(actor: str, config: dict, model_dir: str) -> tuple[str, str]:
+def _arrow_pool_in_a_new_actor(actor: str, config: DataConfig, model_dir: str) -> tuple[str, str]:
     import pyarrow as pa
 
     from actors import DecodeActor, TokenizeActor
+    from ingest.config import StageContext
 
     before = pa.default_memory_pool().backend_name
     if actor == "tokenize":
-        TokenizeActor(model_dir, config, [], model_dir)
+        TokenizeActor(config, StageContext(), model_dir, model_dir)
     else:
-        DecodeActor(config, [])
+        DecodeActor(config, StageContext(), model_dir)
     return before, pa.default_memory_pool().backend_name
 
 
@@ -201,7 +202,7 @@ def test_actors_set_the_configured_arrow_memory_pool(ray_session, model_dir, act
     """``arrow_memory_pool``: the system allocator by default in the actors' processes (Arrow's wheels default to
     mimalloc, slower here: ingest/memory.py); ``default`` leaves Arrow's choice."""
     runs = [
-        _arrow_pool_in_a_new_actor.remote(actor, DataConfig(**kw).to_dict(), model_dir)
+        _arrow_pool_in_a_new_actor.remote(actor, DataConfig(**kw), model_dir)
         for kw in ({}, {"arrow_memory_pool": "jemalloc"}, {"arrow_memory_pool": "default"})
     ]
     (arrow_default, system), (_, jemalloc), (_, untouched) = ray.get(runs)
@@ -263,8 +264,8 @@ def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
     """The decode stage's packed pixels and the vision stage's uint8 patches reuse the last block's buffer once that
     block is dropped (Ray has stored it), and never overwrite a block that is still held."""
 
-    from ingest.pixels import PATCHES, ImagePixels
-    from ingest.vision import PACKED_PIXELS, image_rows_array, rgb_arrays
+    from ingest.blocks import PACKED_PIXELS, image_rows_array, rgb_arrays
+    from ingest.media.pixels import PATCHES, ImagePixels
 
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (56 + 14 * k, 84, 3), dtype=np.uint8) for k in range(4)]
@@ -284,7 +285,7 @@ def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
     assert pixel_buffer(image_rows_array(rows)) == address
 
     pixels = ImagePixels.from_dir(model_dir)
-    kept = np.asarray(pixels.patches(images)[0])  # numpy from ingest._resize, else a torch tensor: its memory
+    kept = np.asarray(pixels.patches(images)[0])  # numpy from ingest.media._resize, else a torch tensor: its memory
     expected = kept.copy()
     later = np.asarray(pixels.patches(images[::-1])[0])
     assert kept.ctypes.data != later.ctypes.data and np.array_equal(kept, expected)
@@ -302,12 +303,12 @@ def test_consumer_pixel_values_reuse_only_buffers_nothing_holds(monkeypatch):
 
     import torch
 
-    import ingest.pixels
+    import ingest.media.pixels
+    from ingest.media.pixels import normalize_patches
     from ingest.memory import ReusedBuffers
-    from ingest.pixels import normalize_patches
 
     pool = ReusedBuffers(keep=192, slack=1.0)  # this test's own: other tests' free buffers could fit better
-    monkeypatch.setattr(ingest.pixels, "PIXEL_VALUES", pool)
+    monkeypatch.setattr(ingest.media.pixels, "PIXEL_VALUES", pool)
     rng = np.random.default_rng(1)
     mean, std = (122.7, 116.7, 104.1), (68.5, 66.6, 70.3)
     rows = [rng.integers(0, 256, (n, 3, 14, 14), dtype=np.uint8) for n in (40, 10, 25)]
@@ -332,7 +333,7 @@ def test_consumer_normalize_is_bit_equal_across_its_chunks():
     """The CPU normalize goes a few hundred patches at a time (``_NORMALIZE_CHUNK``), normalizing each once and
     copying it into both frames: bit-equal to (x - mean) / std in float32 over the repeated frames, at and around
     the chunk boundaries."""
-    from ingest.pixels import _NORMALIZE_CHUNK, normalize_patches
+    from ingest.media.pixels import _NORMALIZE_CHUNK, normalize_patches
 
     rng = np.random.default_rng(2)
     mean, std = (122.7, 116.7, 104.1), (68.5, 66.6, 70.3)

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest import IngestError, SourceError, build_dataset
+from ingest.config import DataConfig
 from ingest.errors import StoreError, find_ingest_error, redact, secret_values
+from ingest.read.files import filesystem_for, inspect_files
 from ingest.run import open_inside, run_pipeline, write_summary_json
-from ingest.sources import filesystem_for, inspect_files
 from tests.conftest import collect
 from tests.helpers import moto_s3
 
@@ -151,14 +152,16 @@ def _model_with_remote_code(model_dir: str, tmp_path: Path) -> tuple[str, Path]:
 
 
 def test_remote_code_is_not_run_unless_the_config_allows_it(ray_session, model_dir, tmp_path, monkeypatch):
-    from ingest.models import ChatTokenizer
     from ingest.stages.vision import VisionStage
+    from ingest.tokenizer.chat import ChatTokenizer
 
     model, marker = _model_with_remote_code(model_dir, tmp_path)
     path = _write(tmp_path / "ok.parquet", [_good(i) for i in range(3)])
     summary = run_pipeline([path], model, QUARANTINE)  # tokenizer actors: AutoTokenizer (auto_map), no remote code
     assert summary.rows_out == 3 and not marker.exists()
-    vision = VisionStage(model, "cpu")  # image and video processors load without the custom classes
+    vision = VisionStage(
+        model, DataConfig(vision_device="cpu")
+    )  # image and video processors load without the custom classes
     assert type(vision.image_processor).__name__ != "CustomImageProcessor"
     assert type(vision.video_processor).__name__ != "CustomVideoProcessor"
     assert not marker.exists()

@@ -17,7 +17,6 @@ import shutil
 import numpy as np
 import pytest
 
-from ingest.models import ChatTokenizer
 from ingest.sft import (
     ChatMLRenderer,
     ModalityData,
@@ -34,6 +33,7 @@ from ingest.sft import (
     pack,
     shift_and_truncate,
 )
+from ingest.tokenizer.chat import ChatTokenizer
 
 IM_START, IM_END, NEWLINE, ASSISTANT = 151644, 151645, 198, 77091
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
@@ -570,7 +570,7 @@ def test_ensure_final_stop(renderers, hf):
 
 
 def _image(rng: random.Random, kind: str):
-    from ingest.sample import encode_image, make_image
+    from ingest.devtools.samples import encode_image, make_image
 
     image, fmt = make_image(kind, rng)
     return encode_image(image, fmt)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from ingest import BadRowError, SourceError
+from ingest.blocks import tensor_from_record
 from ingest.errors import find_ingest_error
-from ingest.messages import split_media_placeholders
+from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft import (
     SFTCollate,
     build_sft_dataset,
@@ -26,7 +27,6 @@ from ingest.sft import (
     shift_and_truncate,
 )
 from ingest.stats import RunLedger
-from ingest.vision import tensor_from_record
 from tests.test_sft import IM_END, IMAGE_PAD, _conversations, _expected_chatml_mask, _hf_ids, _image, _text
 
 BASE = {"shuffle": False}
@@ -451,7 +451,7 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_vision_pool_matches_the_cpu_pool(ray_session, model_dir, tmp_path):
     """SFT's vision pool on a GPU actor: every field as on the CPU pool, pixel values within the device tolerance."""
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
 
     rows, _ = _mm_rows(1, 10)
     file = _write(tmp_path / "mm.parquet", rows, row_group_size=4)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from ingest import SourceError, build_dataset
-from ingest.sources import expand_files, filesystem_for
+from ingest.read.files import expand_files, filesystem_for
 from tests.conftest import collect
 from tests.helpers import assert_same_batches, moto_s3
 from tests.webhdfs_server import WebHDFSServer

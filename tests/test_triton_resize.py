@@ -1,8 +1,9 @@
-"""The Triton image resize (``vision_device_resize: triton``, ``ingest/triton_resize.py``): its patches are the CPU
+"""The Triton image resize (``vision_device_resize: triton``, ``ingest/media/triton_resize.py``): its patches are
+the CPU
 uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
 CPU tensors), in a subprocess: the variable has to be set before triton is imported. Triton's compiler builds them
 for the GPUs without one; they run compiled where a CUDA device is (``test_cuda_triton_resize_equals_the_cpu_kernel``,
-in ``tests/gpu/run.sh``)."""
+in ``ingest/devtools/gpu/run.sh``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from ingest.config import DataConfig
-from ingest.stages.vision import VisionStage, resize_kernel
+from ingest.media.device import resize_kernel
+from ingest.stages.vision import VisionStage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,11 +29,12 @@ INTERPRETED = r"""
 import sys
 import numpy as np
 import torch
-from ingest.offline import build_offline_model_dir
-from ingest.pixels import ImagePixels
-from ingest.sample import write_geo3k_parquet
+from ingest.config import DataConfig
+from ingest.tokenizer.offline import build_offline_model_dir
+from ingest.media.pixels import ImagePixels
+from ingest.devtools.samples import write_geo3k_parquet
 from ingest.stages.vision import VisionStage
-from ingest.vision_bench import decoded_blocks
+from ingest.devtools.vision_bench import decoded_blocks
 
 model = str(build_offline_model_dir())
 pixels = ImagePixels.from_dir(model)
@@ -55,7 +58,8 @@ for name, images in (
     diff = np.abs(got.numpy().astype(int) - expected.astype(int))
     assert diff.max() == 0, f"{name}: {int((diff > 0).sum())} values differ, by up to {diff.max()}"
 files = write_geo3k_parquet(sys.argv[1], 8, row_group_size=8)
-cpu, triton = VisionStage(model, "cpu"), VisionStage(model, "cpu", device_resize="triton")
+cpu = VisionStage(model, DataConfig(vision_device="cpu"))
+triton = VisionStage(model, DataConfig(vision_device="cpu", vision_device_resize="triton"))
 assert (cpu.resize_kernel, triton.resize_kernel) == ("torch", "triton")
 for block in decoded_blocks(files, model):
     assert triton(block).equals(cpu(block))
@@ -86,8 +90,8 @@ from triton.backends import backends
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import create_function_from_signature
-from ingest import _triton_kernels as kernels
-from ingest.triton_resize import BLOCK, PARAMS
+from ingest.media import _triton_kernels as kernels
+from ingest.media.triton_resize import BLOCK, PARAMS
 
 pointers = {"table": "*i32", "starts": "*i32", "images": "i32", "axes": "*i32", "weights": "*i32"}
 for fn, images, extra in (
@@ -130,7 +134,7 @@ def test_device_resize_setting(monkeypatch):
     assert resize_kernel("auto", "cuda:1") == "triton"  # triton imports here (torch's wheels bring it)
     with pytest.raises(ValueError, match="vision_device_resize"):
         resize_kernel("nearest", "cpu")
-    monkeypatch.setattr("ingest.triton_resize.triton_available", lambda: "ImportError: no triton")
+    monkeypatch.setattr("ingest.media.triton_resize.triton_available", lambda: "ImportError: no triton")
     assert resize_kernel("auto", "cuda") == "torch"
     with pytest.raises(RuntimeError, match="triton does not import here"):
         resize_kernel("triton", "cuda")
@@ -139,25 +143,25 @@ def test_device_resize_setting(monkeypatch):
 def test_auto_falls_back_to_torch_where_the_triton_kernels_do_not_run(monkeypatch, caplog):
     """ "auto" picks Triton on CUDA; where its kernels then fail (here: really launched on CPU tensors without the
     interpreter, which Triton refuses), the actor warns and resizes with torch's kernels. An explicit "triton" fails."""
-    from ingest.offline import build_offline_model_dir
     from ingest.stages import vision
+    from ingest.tokenizer.offline import build_offline_model_dir
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(vision, "resize_kernel", lambda choice, device: "triton")
     model = str(build_offline_model_dir())
     with caplog.at_level("WARNING", logger="ingest.stages.vision"):
-        stage = VisionStage(model, "cpu", device_resize="auto")
+        stage = VisionStage(model, DataConfig(vision_device="cpu", vision_device_resize="auto"))
     assert stage.resize_kernel == "torch"
     assert "the Triton resize failed on cpu" in caplog.text
     with pytest.raises(Exception):  # noqa: B017 - whatever Triton raises for that launch
-        VisionStage(model, "cpu", device_resize="triton")
+        VisionStage(model, DataConfig(vision_device="cpu", vision_device_resize="triton"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_triton_resize_equals_the_cpu_kernel():
     """The compiled kernels: the CPU kernel's patches exactly, where the torch device resize is within 2 levels."""
-    from ingest.offline import build_offline_model_dir
-    from ingest.pixels import ImagePixels
+    from ingest.media.pixels import ImagePixels
+    from ingest.tokenizer.offline import build_offline_model_dir
 
     pixels = ImagePixels.from_dir(build_offline_model_dir())
     rng = np.random.default_rng(1)

@@ -1,10 +1,11 @@
-"""SFT training samples: one-pass chat rendering with per-token tags, loss masks, media placeholders (issue 7).
+"""SFT training samples: one-pass chat rendering with per-token tags, loss masks, media placeholders.
 
-The contract is ``/work/shared/sft-contract.md`` (the semantics of the ``renderers`` package's
-``build_training_sample``); ``docs/sft.md`` describes the tagging rules. In short:
+The contract is the semantics of the ``renderers`` package's
+``build_training_sample`` (``docs/sft.md`` describes the tagging rules). In short:
 
 - A renderer renders the conversation once with the model's chat template (the Jinja environment of
-  ``ingest.chat_template``, what ``apply_chat_template`` renders), encodes the text in one backend call with character
+  ``ingest.tokenizer.template``, what ``apply_chat_template`` renders), encodes the text in one backend call with
+  character
   offsets, and tags every token with the message it came from (-1: scaffolding), whether the model samples it and
   whether it is message body. Token ids therefore equal ``apply_chat_template(messages, tokenize=True)``.
 - ``ChatMLRenderer`` (ChatML templates: Qwen2-VL, Qwen2.5, Qwen3, ...) knows the turn structure
@@ -20,9 +21,11 @@ Modules: ``data`` (types), ``render`` (renderers), ``media`` (images / videos), 
 (``build_training_sample``), ``sequence`` (shift / truncate / pack). Pure Python + numpy; transformers and torch
 are imported only when media is processed. CPU only.
 
-The Ray Data mode, ``build_sft_dataset`` and ``SFTCollate`` (``dataset``), is imported on first use (it loads Ray).
+A leaf library: nothing here imports Ray, a pipeline stage or an actor. The Ray Data mode, ``build_sft_dataset``
+and ``SFTCollate``, lives beside the RL builder in ``ingest.datasets.sft``; the names below resolve there on first use.
 """
 
+from ingest.lazy import lazy_exports
 from ingest.sft.data import (
     MODALITY_TOKEN_TYPES,
     MediaItem,
@@ -60,12 +63,6 @@ __all__ = [
     "shift_and_truncate",
 ]
 
-_LAZY = {"SFTCollate", "build_sft_dataset", "plan_sft_input"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        from ingest.sft import dataset
-
-        return getattr(dataset, name)
-    raise AttributeError(f"module 'ingest.sft' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(
+    globals(), dict.fromkeys(("SFTCollate", "build_sft_dataset", "plan_sft_input"), "ingest.datasets.sft")
+)

@@ -11,19 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ingest.offline import resolve_model_path
+from ingest.media.geometry import IMAGE_PAD, VIDEO_PAD, VisionSpec, grid_tokens, image_grid
+from ingest.media.image import check_complete, decode_rgb, image_size, read_image_bytes
+from ingest.media.pixels import ProcessorPixels
 from ingest.sft.data import SFTRenderError
-from ingest.vision import (
-    IMAGE_PAD,
-    VIDEO_PAD,
-    VisionSpec,
-    check_complete,
-    decode_rgb,
-    grid_tokens,
-    image_grid,
-    image_size,
-    read_image_bytes,
-)
+from ingest.tokenizer.offline import resolve_model_path
 
 PAD_TOKENS = {"image": IMAGE_PAD, "video": VIDEO_PAD}
 
@@ -109,7 +101,7 @@ def _rgb_of(value) -> np.ndarray:
 
 
 class MediaProcessor:
-    """The processor side: geometry (``VisionSpec``), image pixels via the RL path's ``VisionStage``, videos via the
+    """The processor side: geometry (``VisionSpec``), image pixels via the RL path's ``ProcessorPixels``, videos via the
     processor's video processor. Transformers is loaded on first use."""
 
     def __init__(self, processor):
@@ -130,7 +122,7 @@ class MediaProcessor:
             self._image_processor = image_processor
             self._video_processor = getattr(processor, "video_processor", None)
             self.spec = _spec_of(image_processor)
-        self._pixel_stage = None
+        self._processor_pixels = None
 
     def load(self, values: dict[str, list], process: bool) -> dict[str, list[_Loaded]]:
         out: dict[str, list[_Loaded]] = {}
@@ -173,7 +165,7 @@ class MediaProcessor:
                 except Exception as exc:
                     raise SFTRenderError(f"bad image: {type(exc).__name__}: {exc}") from exc
             rgbs.append(item.rgb)
-        pixel_values, grids = self.pixel_stage().pixel_values(rgbs)
+        pixel_values, grids = self.processor_pixels()(rgbs)
         expected = [list(item.grid) for item in items]
         if grids.tolist() != expected:
             raise RuntimeError(f"image processor grids {grids.tolist()} differ from the geometry's {expected}")
@@ -185,16 +177,15 @@ class MediaProcessor:
             }
             item.rgb = None  # the pixels live on in pixel_values
 
-    def pixel_stage(self):
-        """The RL path's vision stage (``VisionStage.pixel_values``) on CPU."""
-        if self._pixel_stage is None:
-            from ingest.stages.vision import VisionStage
-
+    def processor_pixels(self) -> ProcessorPixels:
+        """The RL vision stage's pixel path (``ProcessorPixels``) on the CPU: our kernels for a processor directory
+        they serve, else the processor object as it is."""
+        if self._processor_pixels is None:
             if self._image_processor is None:
-                self._pixel_stage = VisionStage(self.path, device="cpu")
+                self._processor_pixels = ProcessorPixels(self.path)
             else:  # a processor object (or one loaded from the hub): use it as it is
-                self._pixel_stage = VisionStage.of_image_processor(self._image_processor)
-        return self._pixel_stage
+                self._processor_pixels = ProcessorPixels(image_processor=self._image_processor)
+        return self._processor_pixels
 
     def video_processor(self):
         if self._video_processor is None:

@@ -15,10 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ingest.chat_template import compile_chat_template, render_chat
-from ingest.models import ChatTokenizer
 from ingest.sft.data import MediaItem, PlaceholderRange, RenderedConversation, SFTRenderError
 from ingest.sft.media import PAD_TOKENS, MediaProcessor, media_values
+from ingest.tokenizer.chat import ChatTokenizer
+from ingest.tokenizer.template import compile_chat_template, render_chat
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

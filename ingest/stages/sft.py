@@ -11,7 +11,7 @@ conversations are quarantined or raise, as on the RL path; the encoded image byt
 with the grids checked against the header-derived ones that decided the pad counts.
 
 Rows are plain Arrow: ``list<int64>`` ids, ``list<bool>`` mask, ``list<int8>`` token types, tensors as
-``{dtype, shape, data}`` structs (``ingest.vision.tensor_record``). No pickled Python objects in blocks.
+``{dtype, shape, data}`` structs (``ingest.media.geometry.tensor_record``). No pickled Python objects in blocks.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ import numpy as np
 import pyarrow as pa
 
 from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error, row_location
-from ingest.config import DataConfig
+from ingest.blocks import TENSOR_STRUCT, tensor_record
+from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError
-from ingest.messages import split_media_placeholders
+from ingest.media.device import limit_torch_threads, resolve_device
+from ingest.media.image import decode_rgb, read_image_bytes
+from ingest.media.pixels import ProcessorPixels
+from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft.data import RenderedConversation, SFTRenderError, TrainingSequence
 from ingest.sft.sample import build_training_sample, conversation_problem
 from ingest.sft.sequence import pack, shift_and_truncate
 from ingest.stages.tokenize import _row_dict
-from ingest.vision import TENSOR_STRUCT, decode_rgb, read_image_bytes, tensor_record
 
 TOOLS_COLUMN = "tools"
 IMAGE_BYTES_COLUMN = "_sft_image_bytes"  # encoded images of the row, in stream order (for the vision stage)
@@ -123,7 +126,7 @@ class SFTRenderStage:
         self,
         renderer,
         config: DataConfig,
-        files: Sequence[str],
+        context: StageContext | None = None,
         *,
         media: bool = False,
         role_to_mask: Callable[[Mapping[str, Any]], bool] | None = None,
@@ -135,7 +138,7 @@ class SFTRenderStage:
             )
         self.renderer = DeferredPixels(renderer) if media else renderer
         self.config = config
-        self.files = list(files)
+        self.files = list((context or StageContext()).files)
         self.media = media
         self.role_to_mask = role_to_mask
         budget = config.sft_pack_token_budget
@@ -310,13 +313,13 @@ def list_array(lists: Sequence[Sequence | None], value_type: pa.DataType) -> pa.
 
 class SFTVisionStage:
     """Encoded images of each row -> ``pixel_values`` (patches, dim) float32 and ``image_grid_thw`` (n, 3) int64
-    tensor records, through the RL path's ``VisionStage`` on ``device`` (one processor call per batch)."""
+    tensor records, through the RL path's ``ProcessorPixels`` on ``vision_device`` (one processor call per batch)."""
 
-    def __init__(self, processor_path: str, device: str = "cpu", image_key: str = "images"):
-        from ingest.stages.vision import VisionStage
-
-        self.vision = VisionStage(processor_path, device)
-        self.image_key = image_key
+    def __init__(self, processor_path: str, config: DataConfig | None = None):
+        config = config or DataConfig()
+        limit_torch_threads()
+        self.pixel_values = ProcessorPixels(processor_path, resolve_device(config.vision_device))
+        self.image_key = config.image_key
 
     def _decode(self, data: bytes, source: dict | None) -> np.ndarray:
         """RGB pixels; an image whose data do not decode (its structure was checked when rendering) is one
@@ -348,7 +351,7 @@ class SFTVisionStage:
             for k, data in enumerate(row)
         ]
         if flat:
-            pixel_values, got = self.vision.pixel_values(flat)
+            pixel_values, got = self.pixel_values(flat)
             want = [g for row in expected if row for g in row]
             if got.tolist() != want:
                 raise RuntimeError(f"image grids {got.tolist()} differ from the header-derived {want}")

@@ -11,64 +11,33 @@ runs before any pixel work and nothing is processed twice. Overlong rows are dro
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import (
+from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
+from ingest.blocks import (
+    GRIDS_TYPE,
+    IMAGE_GRIDS_COLUMN,
+    MAX_LENGTH_COLUMN,
+    MEDIA_BYTES_COLUMN,
+    PAD_ID_COLUMN,
+    PROMPT_TOKENS_COLUMN,
     PROVENANCE_COLUMNS,
     ROW_COLUMN,
-    BatchCounts,
-    StageResult,
-    quarantine_record,
-    row_error,
-)
-from ingest.config import DataConfig
-from ingest.errors import BadRowError, redact, secret_values
-from ingest.messages import build_messages, validate_messages
-from ingest.models import ChatTokenizer
-from ingest.rowformat import (
-    MAX_LENGTH_COLUMN,
-    PAD_ID_COLUMN,
-    extra_info_columns,
-    flatten_ids,
-    list_column,
-    pad_flat,
-    tensor_column,
-    truncate,
-)
-from ingest.video import VideoPlan, probe_video
-from ingest.vision import (
-    IMAGE_GRIDS_COLUMN,
-    IMAGE_PAD,
-    MEDIA_BYTES_COLUMN,
-    PROMPT_TOKENS_COLUMN,
     VIDEO_GRIDS_COLUMN,
-    VIDEO_PAD,
+    VIDEO_PLAN_STRUCT,
     VIDEO_PLANS_COLUMN,
-    VISION_START,
-    VisionSpec,
-    grid_tokens,
-    image_grid,
-    image_size,
-    read_image_bytes,
-    rope_position_ids,
-    video_grid,
 )
-
-VIDEO_PLAN_STRUCT = pa.struct(
-    [
-        ("is_file", pa.bool_()),
-        ("data", pa.list_(pa.large_binary())),
-        ("indices", pa.list_(pa.int64())),
-        ("frame_width", pa.int64()),
-        ("frame_height", pa.int64()),
-        ("height", pa.int64()),
-        ("width", pa.int64()),
-    ]
-)
-GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
+from ingest.config import DataConfig, StageContext
+from ingest.errors import BadRowError, redact, secret_values
+from ingest.media.geometry import IMAGE_PAD, VIDEO_PAD, VISION_START, VisionSpec, grid_tokens, image_grid, video_grid
+from ingest.media.image import image_size, read_image_bytes
+from ingest.media.video import VideoPlan, probe_video
+from ingest.rowformat.messages import build_messages, validate_messages
+from ingest.rowformat.rope import rope_position_ids
+from ingest.rowformat.text import extra_info_columns, flatten_ids, list_column, pad_flat, tensor_column, truncate
+from ingest.tokenizer.chat import ChatTokenizer
 
 
 class PromptTokenizeStage:
@@ -83,15 +52,15 @@ class PromptTokenizeStage:
         self,
         tokenizer: ChatTokenizer,
         config: DataConfig,
-        files: Sequence[str],
+        context: StageContext | None = None,
         vision: VisionSpec | None = None,
-        keep_provenance: bool = False,
     ):
+        context = context or StageContext()
         self.tokenizer = tokenizer
         self.config = config
-        self.files = list(files)
+        self.files = list(context.files)
         self.vision = vision
-        self.keep_provenance = keep_provenance
+        self.keep_provenance = context.keep_provenance
         self._secrets = secret_values(config.storage_options)  # kept out of quarantine reasons and errors
         if tokenizer.pad_token_id is None:
             raise BadRowError(f"tokenizer {tokenizer.path!r} has neither a pad nor an eos token")

@@ -1,0 +1,85 @@
+"""What the driver plans before any data is read: the files (expanded, footers inspected), the read units in order
+(seeded shuffle), the model paths checked; and the read source for those units. Shared by the RL and SFT builders."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ingest.config import DataConfig
+from ingest.errors import ModelLoadError, SourceError
+from ingest.read.files import FileInfo, _describe, expand_files, inspect_files, unify_schemas
+from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
+
+FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
+
+
+@dataclass
+class InputPlan:
+    """What the driver learned from the footers before any data is read."""
+
+    files: list[str]
+    infos: list[FileInfo]
+    units: list[ReadUnit]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+
+def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:
+    paths = expand_files(files, cfg.storage_options)
+    infos = inspect_files(paths, cfg.storage_options)
+    for info in infos:
+        if cfg.prompt_key not in info.schema.names:
+            raise SourceError(
+                f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)}); set data.prompt_key",
+                file=_describe(info.path),
+                column=cfg.prompt_key,
+            )
+    rows_per_task = cfg.read_rows_per_task
+    if multimodal:  # decode / vision take one unit's block per call and emit it when done: keep image units small
+        rows_per_task = min(rows_per_task, 4 * cfg.vision_batch_size)
+    units = plan_units(infos, rows_per_task)
+    if cfg.shuffle:
+        units = shuffle_units(units, cfg.seed, epoch)
+    return InputPlan(paths, infos, split_first_unit(units, cfg.read_first_unit_rows))
+
+
+_MODEL_FILES = {
+    "tokenizer": ("tokenizer_config.json", "tokenizer.json"),
+    "processor": ("preprocessor_config.json", "processor_config.json"),
+}
+
+
+def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokenizer") -> None:
+    """Fail on the driver, naming the path, when a local model directory is missing (hub names load in actors)."""
+    from ingest.tokenizer.offline import EMBEDDED_NAME
+
+    if name_or_path is None or os.fspath(name_or_path) == EMBEDDED_NAME:
+        return
+    path = os.fspath(name_or_path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.path.exists(path)
+    if not looks_local:
+        return
+    local = os.path.expanduser(path)
+    if not os.path.isdir(local):
+        raise ModelLoadError(f"{what} directory not found: {path}")
+    wanted = _MODEL_FILES[what]
+    if not any(os.path.isfile(os.path.join(local, f)) for f in wanted):
+        raise ModelLoadError(f"{what} directory has no {' or '.join(wanted)}: {path}")
+
+
+def units_source(plan: InputPlan, cfg: DataConfig, epoch: int = 0, ledger=None) -> ParquetUnitsDatasource:
+    """The read of ``plan``'s units in order (seeded row order when shuffling), with the bad-input policy."""
+    return ParquetUnitsDatasource(
+        plan.files,
+        plan.units,
+        unify_schemas(plan.infos),
+        cfg.storage_options,
+        shuffle_seed=cfg.seed if cfg.shuffle else None,
+        epoch=epoch,
+        on_bad_row=cfg.on_bad_row,
+        ledger=ledger,
+    )

@@ -1,0 +1,97 @@
+"""``python -m ingest bench ...``: the benchmarks, against verl on the same data (``ingest/__main__.py`` hands the
+``bench`` command here; the product's CLI never imports this package)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ingest.devtools.bench import MM_LAYOUTS, bench_mm, bench_text
+
+    if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
+        from ingest.devtools.sft_bench import bench_sft
+
+        print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
+        return 0
+    if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
+        from ingest.devtools.scale import bench_scale
+
+        print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
+        return 0
+    if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
+        from ingest.devtools.bench import bench_refs
+
+        print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
+        return 0
+    if args.kind == "vision":  # images/s of the vision pool alone: 2-core CPU pool vs a GPU actor (default 1000)
+        from ingest.devtools.vision_bench import SHARED_GPU_ACTORS, bench_vision
+
+        result = bench_vision(
+            rows=(args.rows or [1000])[0],
+            work_dir=args.work_dir,
+            passes=args.passes,
+            gpu_actors=tuple(args.gpu_actors or SHARED_GPU_ACTORS),
+            device_resizes=tuple(args.device_resize),
+        )
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.kind == "mm":
+        result = bench_mm(
+            rows=args.rows or [1000],
+            work_dir=args.work_dir,
+            skip_verl=args.skip_verl,
+            warm_workers=args.warm_workers,
+            layouts=args.layouts or tuple(MM_LAYOUTS),
+        )
+    else:
+        result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ingest", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision"])
+    bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
+    bench.add_argument("--work-dir", default=None)
+    bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
+    bench.add_argument(
+        "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"
+    )
+    bench.add_argument(
+        "--device-resize",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "torch", "triton"],  # ingest.config.DEVICE_RESIZES
+        help="vision only: the GPU pools' image resize (vision_device_resize); each after the first runs those "
+        "pools again (auto: triton where it runs)",
+    )
+    bench.add_argument(
+        "--layouts",
+        nargs="+",
+        help="mm only: our layouts to run, in this order (one_pool decode_in_tokenizer decode_pool)",
+    )
+    bench.add_argument(
+        "--warm-workers",
+        action="store_true",
+        help="mm only, a diagnostic: our actors start in prestarted workers that imported Ray Data and torch",
+    )
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+#!/bin/bash
+# On the GPU machine (from the repo root, .gpu carried: ingest/devtools/gpu/prepare.sh made it): set up Ray 2.60 and a few
+# wheels, then bench vision, an in-process profile, the GPU parity check and the CUDA tests. Results in $OUT.
+set +e
+export PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
+T0=$(date +%s)
+t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+mkdir -p /tmp/site
+tar xJf .gpu/ray-strip.tar.xz -C /tmp/site || t "ray untar failed"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site:$PWD INGEST_MODEL_DIR=$PWD/.gpu/model
+ORIGIN=$(cat .gpu/origin)  # the parity data name some images by absolute path, under the repo where it was made
+[ -e "$ORIGIN/.gpu" ] || { mkdir -p "$ORIGIN" && ln -s "$PWD/.gpu" "$ORIGIN/.gpu"; }
+t "setup done; repo at $PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nproc; free -g | head -2; df -h /dev/shm | tail -1
+python3 - <<'PY'
+import importlib
+for m in ["ray", "pyarrow", "numpy", "torch", "torchvision", "transformers", "tokenizers", "PIL", "pandas", "pyspng", "deflate"]:
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as e:
+        print(m, "FAILED", e)
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+try:
+    import torchcodec; print("torchcodec", torchcodec.__version__)
+except Exception as e:
+    print("torchcodec not importable:", type(e).__name__)
+PY
+[ -n "$SKIP_BENCH" ] || { t "bench vision"
+timeout ${BENCH_TIMEOUT:-300} python3 -m ingest bench vision --rows 1000 --passes ${PASSES:-20} --gpu-actors ${GPU_ACTORS:-4 8 12 16} --device-resize ${DEVICE_RESIZE:-auto} --work-dir /tmp/bench >"$OUT"/bench_vision.txt 2>"$OUT"/bench_vision.err
+echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/bench_vision.err; }
+[ -z "$QUICK_CHECK" ] || { t "quick check"; timeout 120 python3 ingest/devtools/gpu/quick_check.py /tmp/bench/geo3k-1000 2>&1 | grep -v -i warn | tail -4; }
+[ -z "$AB_UPLOAD" ] || { t "upload A/B"; timeout 300 python3 ingest/devtools/gpu/ab_upload.py /tmp/bench/geo3k-1000 2>&1 | grep -v -i "warn\|info" | tail -8; }
+[ -n "$ONLY_BENCH" ] && exit 0
+t "pytest cuda"
+timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_parity_multimodal.py tests/test_feed.py \
+  tests/test_sft_dataset.py tests/test_triton_resize.py -k "${PYTEST_K:-cuda or pixel_ops or one_copy or device_patches}" >"$OUT"/pytest.txt 2>&1
+echo "rc=$?"; tail -25 "$OUT"/pytest.txt
+t "in-process profile"
+timeout 90 python3 ingest/devtools/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/prof.txt 2>"$OUT"/prof.err
+echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err
+[ -n "$SKIP_GPU_CHECK" ] && { t "end"; exit 0; }
+t "gpu parity check"
+timeout 110 python3 ingest/devtools/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
+echo "rc=$?"; grep '^{' "$OUT"/gpu_check.log | cut -c1-2500; grep -v '^{' "$OUT"/gpu_check.log | grep -i "error\|Traceback" | head -5
+t "end"

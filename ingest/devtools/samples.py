@@ -1,0 +1,264 @@
+"""Sample-data generators for tests and benchmarks beyond the demo's text rows: geo3k-shaped image rows (HF
+``Image()`` structs, every PIL mode verl meets), video rows (files and frame lists), and their images.
+
+Deterministic for a seed. The gsm8k-shaped text rows live in ``ingest.demo`` (the product's embedded dataset).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# --- geo3k-shaped multimodal rows (verl's examples/data_preprocess/geo3k.py layout) ----------------------------------
+
+GEO3K_INSTRUCTION = (
+    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+
+IMAGE_KINDS = ("png", "jpeg", "gray", "palette", "rgba", "tiny", "wide", "tall")
+
+
+def make_image(kind: str, rng: random.Random):
+    """A synthetic figure of one kind: (PIL image, format)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    if kind == "tiny":
+        w = h = 28
+    elif kind == "wide":
+        w, h = rng.randint(600, 900), rng.randint(28, 40)
+    elif kind == "tall":
+        w, h = rng.randint(28, 40), rng.randint(600, 900)
+    else:
+        w, h = rng.randint(64, 800), rng.randint(64, 800)
+    noise = np.random.default_rng(rng.randint(0, 2**31)).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    image = Image.fromarray(noise // 4 + 160)
+    draw = ImageDraw.Draw(image)
+    for _ in range(4):
+        x0, y0, x1, y1 = rng.randint(0, w), rng.randint(0, h), rng.randint(0, w), rng.randint(0, h)
+        draw.line([(x0, y0), (x1, y1)], fill=(rng.randint(0, 255), 0, rng.randint(0, 255)), width=2)
+    if kind == "gray":
+        return image.convert("L"), "PNG"
+    if kind == "palette":
+        return image.convert("P", palette=Image.Palette.ADAPTIVE, colors=32), "PNG"
+    if kind == "rgba":
+        alpha = Image.fromarray(np.random.default_rng(1).integers(0, 256, (h, w), dtype=np.uint8))
+        image.putalpha(alpha)
+        return image, "PNG"
+    return image, ("JPEG" if kind == "jpeg" else "PNG")
+
+
+def encode_image(image, fmt: str) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+HF_IMAGE_FEATURES = {
+    "data_source": {"dtype": "string", "_type": "Value"},
+    "prompt": {
+        "feature": {"role": {"dtype": "string", "_type": "Value"}, "content": {"dtype": "string", "_type": "Value"}},
+        "_type": "List",
+    },
+    "images": {"feature": {"_type": "Image"}, "_type": "List"},
+    "ability": {"dtype": "string", "_type": "Value"},
+    "reward_model": {
+        "style": {"dtype": "string", "_type": "Value"},
+        "ground_truth": {"dtype": "string", "_type": "Value"},
+    },
+    "extra_info": {
+        "split": {"dtype": "string", "_type": "Value"},
+        "index": {"dtype": "int64", "_type": "Value"},
+        "answer": {"dtype": "string", "_type": "Value"},
+        "question": {"dtype": "string", "_type": "Value"},
+    },
+}
+
+
+def geo3k_rows(n: int, *, seed: int = 0, kinds=IMAGE_KINDS, multi_every: int = 5, image_dir: str | None = None):
+    """Rows like verl's geo3k preprocessing: ``<image>`` in the prompt, ``images`` as HF ``Image()`` structs.
+
+    Every ``multi_every``-th row has two images; with ``image_dir`` every 7th row's images are stored as files and
+    referenced by path (``{"bytes": None, "path": ...}``), as HF datasets does for images loaded from disk.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        count = 2 if multi_every and i % multi_every == multi_every - 1 else 1
+        images = []
+        for k in range(count):
+            image, fmt = make_image(kinds[(i + k) % len(kinds)], rng)
+            data = encode_image(image, fmt)
+            if image_dir is not None and i % 7 == 3:
+                path = Path(image_dir) / f"img-{seed}-{i}-{k}.{fmt.lower()}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                images.append({"bytes": None, "path": str(path)})
+            else:
+                images.append({"bytes": data, "path": None})
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        problem = "<image>" * count + f"Find x if the angle is {a} and the side is {b}."
+        rows.append(
+            {
+                "data_source": "hiyouga/geometry3k",
+                "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+                "images": images,
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i, "answer": str(a + b), "question": problem},
+            }
+        )
+    return rows
+
+
+def write_geo3k_parquet(
+    out_dir: str | os.PathLike, num_rows: int, *, num_files: int = 1, seed: int = 0, row_group_size: int = 100, **kw
+) -> list[str]:
+    """geo3k-shaped Parquet with the HF ``Image()`` feature metadata, so HF datasets (verl) loads PIL images."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = geo3k_rows(num_rows, seed=seed, image_dir=str(out / "images"), **kw)
+    image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("images", pa.list_(image_struct)),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
+                ),
+            ),
+        ],
+        metadata={"huggingface": json.dumps({"info": {"features": HF_IMAGE_FEATURES}})},
+    )
+    paths, per_file = [], -(-num_rows // num_files)
+    for k in range(num_files):
+        chunk = rows[k * per_file : (k + 1) * per_file]
+        path = out / f"geo3k-{k:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(chunk, schema=schema), path, row_group_size=row_group_size)
+        paths.append(str(path))
+    return paths
+
+
+# --- video rows (verl's video dicts: {"video": path} or {"video": [frame paths]}) ------------------------------------
+
+VIDEO_FRAME_KINDS = ("png", "jpeg", "rgba", "gray", "wide")
+
+
+def make_video_file(
+    path: str | os.PathLike, frames: int, width: int, height: int, fps: int, seed: int = 0, faststart: bool = False
+) -> str:
+    """A small MPEG-4 clip (PyAV): a textured frame drifting sideways, so every frame differs. ``faststart``: the
+    index (``moov``) before the frames, so a file cut short still reads as whole from its header."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.roll(base, 2 * i, axis=1), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return str(path)
+
+
+def _frame_list(out: Path, i: int, rng: random.Random) -> list[str]:
+    kind = VIDEO_FRAME_KINDS[i % len(VIDEO_FRAME_KINDS)]
+    count = rng.randint(1, 7)  # odd counts: verl pads to an even count with the last frame
+    image, fmt = make_image("wide" if kind == "wide" else "png", rng)
+    image = image.convert("RGB").resize((max(28, image.width // 3), max(28, image.height // 3)))
+    paths = []
+    for k in range(count):
+        frame = image.rotate(3 * k)
+        if kind == "rgba":
+            frame = frame.convert("RGBA")
+            frame.putalpha(128 + 16 * k)
+        elif kind == "gray":
+            frame = frame.convert("L")
+        path = out / f"frame-{i}-{k}.{'jpg' if kind == 'jpeg' else 'png'}"
+        frame.save(path, format="JPEG" if kind == "jpeg" else "PNG")
+        paths.append(str(path))
+    return paths
+
+
+def write_video_parquet(
+    out_dir: str | os.PathLike,
+    num_rows: int,
+    *,
+    kind: str = "frames",
+    with_images: bool = False,
+    seed: int = 0,
+    row_group_size: int = 8,
+) -> list[str]:
+    """Rows with ``<video>`` prompts; ``kind="frames"``: frame-image lists, ``"file"``: MPEG-4 clips (PyAV).
+
+    Every 4th row has two videos. ``with_images``: every row also has an ``<image>`` (HF ``Image()`` column; no
+    nulls: verl 0.5.0's overlong filter fails on a null image list, and without the filter it keeps the null
+    ``images`` key in that row only).
+    """
+    import json
+
+    out = Path(out_dir)
+    (out / "media").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_rows):
+        videos = []
+        for k in range(2 if i % 4 == 3 else 1):
+            if kind == "frames":
+                videos.append({"video": _frame_list(out / "media", 10 * i + k, rng)})
+            else:
+                w, h = rng.choice([(96, 64), (64, 96), (160, 96), (64, 64), (192, 128)])  # decord needs width % 32 == 0
+                path = out / "media" / f"clip-{i}-{k}.mp4"
+                make_video_file(path, rng.randint(6, 40), w, h, rng.choice([5, 10, 24, 30]), seed=10 * i + k)
+                videos.append({"video": str(path)})
+        images = None
+        text = "<video>" * len(videos) + f"What changes in clip {i}?"
+        if with_images:
+            image, fmt = make_image(IMAGE_KINDS[i % len(IMAGE_KINDS)], rng)
+            images = [{"bytes": encode_image(image, fmt), "path": None}]
+            text = "<image>Compare with this figure. " + text
+        row = {"prompt": [{"role": "user", "content": text}], "images": images, "videos": videos}
+        rows.append({**row, "extra_info": {"index": i}})
+    source = pa.list_(pa.string()) if kind == "frames" else pa.string()
+    value = {"dtype": "string", "_type": "Value"}
+    features = {
+        "prompt": {"feature": {"role": value, "content": value}, "_type": "List"},
+        "images": {"feature": {"_type": "Image"}, "_type": "List"},
+        "videos": {
+            "feature": {"video": {"feature": value, "_type": "List"} if kind == "frames" else value},
+            "_type": "List",
+        },
+        "extra_info": {"index": {"dtype": "int64", "_type": "Value"}},
+    }
+    fields = [
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+        ("videos", pa.list_(pa.struct([("video", source)]))),
+        ("extra_info", pa.struct([("index", pa.int64())])),
+    ]
+    if not with_images:
+        fields.pop(1)
+        features.pop("images")
+    schema = pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    path = out / f"video-{kind}.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
+    return [str(path)]

@@ -1,0 +1,297 @@
+"""``python -m ingest bench scale``: peak memory of a streaming pass over 100k and 1M generated prompts.
+
+Each size runs in a fresh child process with its own local Ray (``address="local"``), so no size inherits the
+other's driver heap, workers or object store. The child streams the dataset through ``build_dataset`` +
+``iter_torch_batches(collate_fn=VerlCollate())`` (batch 256, the embedded offline Qwen2-VL tokenizer, default pools)
+and a background thread samples memory every 0.5 s:
+
+- the processes of this Ray session: the driver and every process below it (``psutil.Process().children(
+  recursive=True)``: gcs_server, raylet, the dashboard / runtime-env agents, every ``ray::`` worker). Other Ray
+  sessions on the machine are not counted. Per process ``memory_full_info()``: RSS, USS (private pages) and PSS
+  (shared pages split between the processes that map them, so the object store's ``/dev/shm`` pages and shared
+  libraries count once in the sum);
+- the object store: ``object_store_bytes_used`` of the raylet's store stats (the ``FormatGlobalMemoryInfo`` RPC
+  behind ``ray._private.internal_api.memory_summary(stats_only=True)`` in Ray 2.60; ``ray.available_resources()``
+  does not move with object store use: it is a logical resource).
+
+"Peak memory" is the largest PSS sum over the run: every page the session holds, store included, counted once.
+Also reported: peak USS sum + store bytes in use (the same thing counted another way), peak RSS sum (counts shared
+pages once per process: an upper bound), the per-kind peaks (driver / raylet / gcs / workers / other), the idle
+baseline after ``ray.init`` and rows/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROWS_PER_FILE = 50_000
+ROW_GROUP_SIZE = 1000
+BATCH_SIZE = 256
+SAMPLE_EVERY_S = 0.5
+SCALE_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error"}
+MIB = 1024 * 1024
+
+
+def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None]:
+    """gsm8k-shaped files (1% overlong, 50k rows per file, 1000-row row groups), generated once, in a child process
+    (``write_gsm8k_parquet`` holds every row as a Python dict: its memory must not count for the pipeline).
+    Returns the files and the generation time (None when they already existed)."""
+    out = work_dir / f"gsm8k-{rows}"
+    files = max(1, rows // ROWS_PER_FILE)
+    existing = sorted(str(p) for p in out.glob("*.parquet"))
+    if len(existing) == files and (out / "done").exists():
+        return existing, None
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "ingest", "sample", str(out), "--rows", str(rows), "--files", str(files)]
+    subprocess.run(cmd + ["--long-every", "100"], check=True, stdout=subprocess.DEVNULL)
+    (out / "done").write_text("")
+    return sorted(str(p) for p in out.glob("*.parquet")), time.perf_counter() - started
+
+
+def _kind(proc) -> str:
+    try:
+        name = " ".join(proc.cmdline()[:2]) or proc.name()
+    except Exception:
+        return "other"
+    if "gcs_server" in name:
+        return "gcs"
+    if "raylet" in name:
+        return "raylet"
+    if "ray::" in name or "default_worker.py" in name:
+        return "workers"
+    return "other"
+
+
+class StoreStats:
+    """Object store bytes in use on the local raylet (one cached gRPC stub; Ray 2.60 internals)."""
+
+    def __init__(self):
+        import ray
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray._private.ray_constants import GRPC_CPP_MAX_MESSAGE_SIZE
+        from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+        node = ray._private.worker.global_worker.node
+        address = f"{node.node_ip_address}:{node.node_manager_port}"
+        options = [("grpc.max_receive_message_length", GRPC_CPP_MAX_MESSAGE_SIZE)]
+        self.stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address, options=options))
+        self.request = node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False)
+
+    def __call__(self) -> dict:
+        stats = self.stub.FormatGlobalMemoryInfo(self.request, timeout=10).store_stats
+        return {
+            "used": stats.object_store_bytes_used,
+            "avail": stats.object_store_bytes_avail,
+            "fallback": stats.object_store_bytes_fallback,
+            "spilled": stats.spilled_bytes_total,
+        }
+
+
+class MemorySampler(threading.Thread):
+    """Samples the session's memory every ``interval`` s until ``stop()``; ``progress()`` gives rows so far."""
+
+    def __init__(self, progress=lambda: 0, interval: float = SAMPLE_EVERY_S):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.me = psutil.Process()
+        self.progress, self.interval = progress, interval
+        self.samples: list[dict] = []
+        self.store = StoreStats()
+        self._halt = threading.Event()
+        self.started = time.perf_counter()
+
+    def sample(self) -> dict:
+        import psutil
+
+        totals = {"rss": 0, "uss": 0, "pss": 0}
+        kinds: dict[str, int] = {}
+        procs = [self.me] + self.me.children(recursive=True)
+        for proc in procs:
+            try:
+                info = proc.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            totals["rss"] += info.rss
+            totals["uss"] += info.uss
+            totals["pss"] += info.pss
+            kind = "driver" if proc.pid == self.me.pid else _kind(proc)
+            kinds[kind] = kinds.get(kind, 0) + info.pss
+        try:
+            store = self.store()
+        except Exception:  # the raylet is busy or gone: keep the process figures
+            store = {"used": None, "avail": None, "fallback": None, "spilled": None}
+        return {
+            "t": round(time.perf_counter() - self.started, 2),
+            "rows": self.progress(),
+            "procs": len(procs),
+            **totals,
+            "store_used": store["used"],
+            "store_spilled": store["spilled"],
+            "pss_by_kind": kinds,
+        }
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append(self.sample())
+            self._halt.wait(self.interval)
+
+    def stop(self) -> list[dict]:
+        self._halt.set()
+        self.join()
+        self.samples.append(self.sample())
+        return self.samples
+
+
+def summarize(samples: list[dict], baseline: dict) -> dict:
+    def peak(key):
+        return max(s[key] for s in samples if s[key] is not None)
+
+    kinds = sorted({k for s in samples for k in s["pss_by_kind"]})
+    peak_at = max(samples, key=lambda s: s["pss"])
+    return {
+        "peak_pss_mib": round(peak("pss") / MIB, 1),
+        "peak_uss_plus_store_mib": round(max(s["uss"] + (s["store_used"] or 0) for s in samples) / MIB, 1),
+        "peak_rss_mib": round(peak("rss") / MIB, 1),
+        "peak_store_used_mib": round(peak("store_used") / MIB, 1),
+        "store_spilled_mib": round((samples[-1]["store_spilled"] or 0) / MIB, 1),
+        "peak_pss_by_kind_mib": {k: round(max(s["pss_by_kind"].get(k, 0) for s in samples) / MIB, 1) for k in kinds},
+        "pss_by_kind_at_peak_mib": {k: round(v / MIB, 1) for k, v in peak_at["pss_by_kind"].items()},
+        "peak_at_rows": peak_at["rows"],
+        "baseline_pss_mib": round(baseline["pss"] / MIB, 1),
+        "baseline_pss_by_kind_mib": {k: round(v / MIB, 1) for k, v in baseline["pss_by_kind"].items()},
+        "max_procs": max(s["procs"] for s in samples),
+        # PSS at each quarter of the run: what grows with the rows streamed
+        "pss_mib_by_progress": {
+            f"{q}%": round(
+                max((s["pss"] for s in samples if s["rows"] <= samples[-1]["rows"] * q / 100), default=0) / MIB, 1
+            )
+            for q in (25, 50, 75, 100)
+        },
+    }
+
+
+def measure(rows: int, work_dir: Path) -> dict:
+    """One size, in this process: generate (child process), start Ray, stream, sample. Call in a fresh process."""
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    files, gen_s = generate(work_dir, rows)
+    import ray
+    import torch  # noqa: F401  (a trainer has torch loaded)
+
+    from ingest import VerlCollate, build_dataset
+    from ingest.tokenizer.offline import build_offline_model_dir
+
+    model = str(build_offline_model_dir())
+    t = time.perf_counter()
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray_init_s = time.perf_counter() - t
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    consumed = [0]
+    sampler = MemorySampler(lambda: consumed[0])
+    time.sleep(2.0)  # let the idle session settle, then take its baseline
+    baseline = sampler.sample()
+    sampler.start()
+    started = time.perf_counter()
+    first = None
+    ds = build_dataset(files, model, SCALE_CONFIG)
+    for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate()):
+        if first is None:
+            first = time.perf_counter() - started
+        consumed[0] += len(batch["input_ids"])
+    seconds = time.perf_counter() - started
+    samples = sampler.stop()
+    store_total = ray.cluster_resources().get("object_store_memory")
+    ray.shutdown()
+    return {
+        "rows": rows,
+        "rows_out": consumed[0],
+        "files": len(files),
+        "generate_s": None if gen_s is None else round(gen_s, 1),
+        "ray_init_s": round(ray_init_s, 2),
+        "seconds": round(seconds, 1),
+        "time_to_first_batch_s": None if first is None else round(first, 2),
+        "rows_per_s": round(consumed[0] / seconds, 1),
+        "object_store_capacity_mib": None if store_total is None else round(store_total / MIB),
+        "memory": summarize(samples, baseline),
+        "samples": samples,
+    }
+
+
+def bench_scale(rows: list[int] | None = None, work_dir: str | None = None) -> dict:
+    """Each size in its own child process (``python -m ingest.devtools.scale``), then the peak ratio of the last to
+    the first."""
+    rows = rows or [100_000, 1_000_000]
+    work = Path(work_dir or Path(tempfile.gettempdir()) / "ingest-scale")
+    work.mkdir(parents=True, exist_ok=True)
+    import psutil
+
+    result: dict = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "
+        f"{platform.processor() or platform.machine()}",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "batch_size": BATCH_SIZE,
+        "config": SCALE_CONFIG,
+        "sizes": [],
+    }
+    for n in rows:
+        out = work / f"scale-{n}.json"
+        load = os.getloadavg()[0]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ingest.devtools.scale",
+                "--rows",
+                str(n),
+                "--out",
+                str(out),
+                "--work-dir",
+                str(work),
+            ],
+            check=True,
+        )
+        entry = json.loads(out.read_text())
+        entry.pop("samples")  # kept in scale-N.json
+        entry["load_1m_before"] = round(load, 2)
+        entry["load_1m_after"] = round(os.getloadavg()[0], 2)
+        entry["samples_file"] = str(out)
+        result["sizes"].append(entry)
+        print(json.dumps(entry), flush=True)
+    if len(result["sizes"]) > 1:
+        first, last = result["sizes"][0]["memory"], result["sizes"][-1]["memory"]
+        result["peak_pss_ratio"] = round(last["peak_pss_mib"] / first["peak_pss_mib"], 3)
+        result["peak_uss_plus_store_ratio"] = round(
+            last["peak_uss_plus_store_mib"] / first["peak_uss_plus_store_mib"], 3
+        )
+        grow_first = first["peak_pss_mib"] - first["baseline_pss_mib"]
+        grow_last = last["peak_pss_mib"] - last["baseline_pss_mib"]
+        result["peak_growth_over_baseline_ratio"] = round(grow_last / grow_first, 3) if grow_first > 0 else None
+        result["target_met"] = result["peak_pss_ratio"] <= 1.3
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ingest.devtools.scale", description="one size of the scale benchmark"
+    )
+    parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work-dir", required=True)
+    args = parser.parse_args(argv)
+    result = measure(args.rows, Path(args.work_dir))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

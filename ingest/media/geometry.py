@@ -1,0 +1,109 @@
+"""The Qwen2-VL image processor's geometry: ``VisionSpec`` read from a processor directory, ``smart_resize`` and the
+image / video grids that decide how many pad tokens each medium expands to.
+
+Nothing here imports transformers: the tokenize stage needs only the processor's numbers (patch / merge size, pixel
+budget), so it reads them from the saved JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+
+
+def image_processor_config(path: str | Path) -> dict:
+    """The saved image processor config of a model directory (``preprocessor_config.json``, else the
+    ``image_processor`` section of ``processor_config.json``; ``{}`` when neither is there)."""
+    path = Path(path)
+    if (path / "preprocessor_config.json").is_file():
+        return json.loads((path / "preprocessor_config.json").read_text())
+    if (path / "processor_config.json").is_file():
+        return json.loads((path / "processor_config.json").read_text()).get("image_processor", {})
+    return {}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The image processor's geometry (Qwen2-VL family), read from a processor directory."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    processor_class: str = "Qwen2VLImageProcessor"
+    video_min_pixels: int = 128 * 28 * 28  # the video processor's own pixel budget per frame
+    video_max_pixels: int = 768 * 28 * 28
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> VisionSpec:
+        path = Path(path)
+        config = image_processor_config(path)
+        size = config.get("size") or {}
+        video: dict = {}
+        if (path / "video_preprocessor_config.json").is_file():
+            video = json.loads((path / "video_preprocessor_config.json").read_text())
+        video_size = video.get("size") or {}
+        return cls(
+            patch_size=int(config.get("patch_size", 14)),
+            merge_size=int(config.get("merge_size", 2)),
+            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+            processor_class=str(config.get("image_processor_type", "Qwen2VLImageProcessor")),
+            video_min_pixels=int(video.get("min_pixels") or video_size.get("shortest_edge") or 128 * 28 * 28),
+            video_max_pixels=int(video.get("max_pixels") or video_size.get("longest_edge") or 768 * 28 * 28),
+        )
+
+    @property
+    def is_qwen2_vl(self) -> bool:
+        # verl 0.5.0 switches to 3-row rope positions when the processor class name contains this
+        return "Qwen2VLImageProcessor" in self.processor_class
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize target (transformers ``smart_resize``): multiples of ``factor`` within the pixel budget."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(width: int, height: int, spec: VisionSpec) -> tuple[int, int, int]:
+    """``image_grid_thw`` of one image: (1, H / patch, W / patch) after ``smart_resize``."""
+    h, w = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+    return 1, h // spec.patch_size, w // spec.patch_size
+
+
+def video_grid(nframes: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int, int]:
+    """``video_grid_thw`` of ``nframes`` frames of ``height`` x ``width`` after the video processor's resize."""
+    h, w = smart_resize(height, width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+    return -(-nframes // spec.temporal_patch_size), h // spec.patch_size, w // spec.patch_size
+
+
+def grid_tokens(grid: tuple[int, int, int], spec: VisionSpec) -> int:
+    """How many pad tokens one image or video expands to in ``input_ids``."""
+    return int(np.prod(grid)) // (spec.merge_size**2)

@@ -1,0 +1,227 @@
+"""Image values as they appear in Parquet, and their decoding to RGB exactly as verl does (PIL ``convert("RGB")``),
+with libspng / libdeflate where they give the same pixels faster, and nvJPEG on a device.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def image_source(value) -> tuple[bytes | None, str | None]:
+    """(encoded bytes, path) of one image value: an HF ``Image()`` struct ``{bytes, path}``, raw bytes or a path."""
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value), None
+    if isinstance(value, str):
+        return None, value
+    raise ValueError(f"unsupported image value of type {type(value).__name__}")
+
+
+def read_image_bytes(value, storage_options: dict | None = None) -> bytes:
+    data, path = image_source(value)
+    if data:
+        return data
+    if not path:
+        raise ValueError("image has neither bytes nor a path")
+    from ingest.read.files import filesystem_for, protocol_of
+
+    if protocol_of(path) == "file":
+        with open(path.removeprefix("file://"), "rb") as f:
+            return f.read()
+    with filesystem_for(path, storage_options).open(path, "rb") as f:
+        return f.read()
+
+
+def _complete_jpeg(data: bytes) -> bool | None:
+    """None when ``data`` is not a JPEG; else whether it ends with its end-of-image marker (trailing zeros allowed)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    return data.rstrip(b"\x00")[-2:] == b"\xff\xd9"
+
+
+def check_complete(data: bytes) -> None:
+    """Raise ``OSError`` for an image file cut short, without decoding pixels: a PNG's chunks are read to ``IEND``
+    with their CRCs checked (PIL ``verify``; stricter than decoding in one case: a PNG missing only ``IEND``), a JPEG
+    must end with its end-of-image marker. For stages that hand images on encoded to a stage without per-row
+    quarantine (the SFT vision actor). Other formats pass."""
+    from PIL import Image
+
+    if data[:8] == _PNG_SIGNATURE:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    elif _complete_jpeg(data) is False:
+        raise OSError("truncated JPEG file (no end-of-image marker)")
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from the header only (no pixel decode)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    if width < 1 or height < 1:
+        raise ValueError(f"image has zero size ({width}x{height})")
+    return width, height
+
+
+def decode_rgb(data: bytes) -> tuple[np.ndarray, dict]:
+    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        stored = stored_png(data) if image.format == "PNG" else None
+        if stored is None:  # not a PNG, or one whose data is not sound: PIL accepts or rejects it, as verl's would
+            return _pil_rgb(image)
+        # libspng only on data that inflated soundly: it accepts some corrupt streams that PIL rejects
+        if image.mode in ("RGB", "RGBA") and plain_png(data):  # gray and palette PNGs: libspng is no faster
+            rgb = _spng_rgb(stored)
+            if rgb is not None:  # PIL's header gave the info: nothing after the image data adds to it
+                return rgb, dict(image.info)
+        with Image.open(io.BytesIO(stored)) as restored:  # the same chunks around the data: same pixels and info
+            return _pil_rgb(restored)
+
+
+def _pil_rgb(image) -> tuple[np.ndarray, dict]:
+    # for an RGB image convert("RGB") is a copy (same pixels, same info): skip it (a fifth of decode's CPU here)
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return np.asarray(rgb), dict(rgb.info)  # asarray loads the pixels first, as convert does
+
+
+def stored_png(data: bytes) -> bytes | None:
+    """``data``, a PNG, with its image data inflated by libdeflate (``deflate``; about twice zlib's speed on the
+    bench's images) and stored back uncompressed: one ``IDAT`` chunk holding stored deflate blocks, every other chunk
+    as it was. A PNG decoder (libspng, PIL) then copies the data and only unfilters it: the same pixels (PNG is
+    lossless) for ~40% less CPU than inflating with zlib. None, and the decoder gets ``data`` itself (and accepts or
+    rejects it as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong,
+    or the data does not inflate (checksum included) to exactly the size the header gives."""
+    try:
+        import deflate
+    except ImportError:
+        return None
+    if data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR" or len(data) < 33 or data[28] != 0:
+        return None
+    width, height, depth, color = struct.unpack_from(">IIBB", data, 16)
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(color)
+    if channels is None:
+        return None
+    size = height * (1 + (width * channels * depth + 7) // 8)  # each row: its filter byte, then the samples
+    view, position, pieces, first, last = memoryview(data), 8, [], None, None
+    while position + 12 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, position)
+        end = position + 12 + length
+        if kind == b"IDAT":
+            if last not in (None, position) or end > len(data):  # other chunks between image data chunks; cut short
+                return None
+            if deflate.crc32(view[position + 4 : end - 4]) != int.from_bytes(view[end - 4 : end], "big"):
+                return None
+            pieces.append(view[position + 8 : end - 4])
+            first, last = first or position, end
+        elif kind == b"IEND" or end > len(data):
+            break
+        position = end
+    if first is None:
+        return None
+    try:
+        raw = deflate.zlib_decompress(b"".join(pieces), size)
+    except deflate.DeflateError:
+        return None
+    if len(raw) != size:
+        return None
+    body = [b"IDAT\x78\x01"]  # zlib header: deflate, 32K window, no preset dictionary (0x7801 % 31 == 0)
+    for start in range(0, size, 0xFFFF):  # stored blocks: final flag, then LEN and NLEN little-endian
+        block = memoryview(raw)[start : start + 0xFFFF]
+        body += [struct.pack("<BHH", start + 0xFFFF >= size, len(block), len(block) ^ 0xFFFF), block]
+    body.append(struct.pack(">I", deflate.adler32(raw)))
+    chunk = b"".join(body)
+    length, crc = struct.pack(">I", len(chunk) - 4), struct.pack(">I", deflate.crc32(chunk))
+    return b"".join([view[:first], length, chunk, crc, view[last:]])
+
+
+def plain_png(data: bytes) -> bool:
+    """An 8-bit RGB or RGBA PNG with nothing but image data from its first ``IDAT`` to ``IEND``: there libspng's RGB8
+    output is PIL's ``convert("RGB")`` (lossless decode; alpha dropped, no gamma applied) and PIL's header parse has
+    all of the image's ``info`` (PIL adds text and EXIF chunks found after the image data only while loading it)."""
+    if data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR" or len(data) < 33:
+        return False
+    if data[24] != 8 or data[25] not in (2, 6):  # bit depth 8; color type RGB or RGBA
+        return False
+    position, seen_data = 8, False
+    while position + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, position)
+        if kind == b"IEND":
+            return seen_data
+        if kind == b"IDAT":
+            seen_data = True
+        elif seen_data:
+            return False
+        position += 12 + length
+    return False  # cut short: PIL decides (and names the error)
+
+
+def _spng_rgb(data: bytes) -> np.ndarray | None:
+    """(H, W, 3) uint8 from libspng (pyspng): faster than PIL's PNG decoder and one copy fewer (no 4-byte pixels);
+    None where pyspng is missing or refuses the file (an unknown critical chunk, say): PIL then decodes it, so what
+    fails is what PIL fails."""
+    try:
+        import pyspng
+    except ImportError:
+        return None
+    try:
+        return pyspng.load(data, format="RGB")
+    except Exception:
+        return None
+
+
+def deferrable_jpeg(data: bytes) -> tuple[np.ndarray, dict] | None:
+    """For a JPEG a device decoder can take (baseline, YCbCr or grayscale, complete): an empty (H, W, 0) array (the
+    size) and the PIL ``info`` that ``decode_rgb`` would give, from the header alone; None for anything else (PNG,
+    progressive or CMYK JPEG, a file without its end marker: those decode on the CPU, where bad data is caught)."""
+    from PIL import Image
+
+    if not _complete_jpeg(data):
+        return None
+    with Image.open(io.BytesIO(data)) as image:
+        if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.info.get("progressive"):
+            return None
+        width, height = image.size
+        return np.empty((height, width, 0), dtype=np.uint8), dict(image.info)
+
+
+def decode_jpegs(jpegs: list[bytes], device: str) -> list:
+    """JPEG bytes -> (3, H, W) uint8 RGB tensors on ``device``: one batched ``torchvision.io.decode_jpeg`` call
+    (nvJPEG on cuda). Where the device decoder refuses an image, PIL decodes it on the CPU (then uploaded); where
+    PIL fails too, that image's entry is the exception (the caller makes its row a bad row). On the CPU, PIL's
+    (H, W, 3) arrays (``decode_rgb``, the decode stage's decoder: the same pixels, and no torch import)."""
+    if device == "cpu":
+        return [_pil_jpeg(jpeg) for jpeg in jpegs]
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = [torch.frombuffer(bytearray(jpeg), dtype=torch.uint8) for jpeg in jpegs]
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:  # one image the device decoder cannot take fails the batch: decode one by one
+        out = []
+        for jpeg, tensor in zip(jpegs, data, strict=True):
+            try:
+                out.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device))
+            except RuntimeError:
+                rgb = _pil_jpeg(jpeg)
+                if not isinstance(rgb, Exception):
+                    rgb = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(device)
+                out.append(rgb)
+        return out
+
+
+def _pil_jpeg(jpeg: bytes):
+    """PIL's (H, W, 3) RGB of a JPEG (the decode stage's decoder), or the exception that stopped it."""
+    try:
+        return decode_rgb(jpeg)[0]
+    except Exception as exc:
+        return exc

@@ -1,0 +1,109 @@
+"""Loading a tokenizer inside an actor, and the two things the pipeline needs from it: render and encode.
+
+``ChatTokenizer`` renders a chat with the model's Jinja template (transformers' own renderer, with the same variables
+``apply_chat_template`` passes) and encodes a whole batch in one call to the Rust backend. For plain BPE tokenizers
+(Qwen2 and other ``tokenizer.json`` models whose class adds no Python-side behaviour) it loads ``tokenizer.json``
+directly: 4x faster than ``AutoTokenizer`` and the ids are the same. Anything else goes through ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ingest.errors import ModelLoadError
+from ingest.tokenizer.offline import resolve_model_path
+from ingest.tokenizer.template import compile_chat_template, qwen2_vl_text_renderer, render_chat
+
+# Tokenizer classes that are exactly "tokenizer.json + special tokens + chat template".
+_PLAIN_FAST_CLASSES = frozenset(
+    {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"}
+)
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class ChatTokenizer:
+    """Chat template + batched encode, loaded once per actor from a directory or hub name."""
+
+    def __init__(self, name_or_path: str | os.PathLike | None, *, trust_remote_code: bool = False):
+        path = resolve_model_path(name_or_path)
+        self.path = path
+        try:
+            if not self._load_plain(Path(path)):
+                self._load_transformers(path, trust_remote_code)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load tokenizer {path!r}: {type(exc).__name__}: {exc}") from None
+        if self.chat_template is None:
+            raise ModelLoadError(f"tokenizer {path!r} has no chat template")
+        self._template = compile_chat_template(self.chat_template)
+        self._fast_render = qwen2_vl_text_renderer(self.chat_template)
+
+    def _load_plain(self, path: Path) -> bool:
+        config_file, tokenizer_file = path / "tokenizer_config.json", path / "tokenizer.json"
+        if not (config_file.is_file() and tokenizer_file.is_file()):
+            return False
+        config = json.loads(config_file.read_text())
+        if config.get("tokenizer_class") not in _PLAIN_FAST_CLASSES or config.get("auto_map"):
+            return False
+        from tokenizers import Tokenizer
+
+        self._backend = Tokenizer.from_file(str(tokenizer_file))
+        self._hf = None
+        self.special_tokens_map = {
+            key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None
+        }
+        template = config.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if template is None and (path / "chat_template.json").is_file():
+            template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+        self.chat_template = template
+        pad = self.special_tokens_map.get("pad_token") or self.special_tokens_map.get("eos_token")
+        self.pad_token_id = self._backend.token_to_id(pad) if pad is not None else None
+        return True
+
+    def _load_transformers(self, path: str, trust_remote_code: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self._hf = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self._backend = getattr(self._hf, "_tokenizer", None)
+        self.special_tokens_map = dict(self._hf.special_tokens_map)
+        self.chat_template = self._hf.chat_template
+        # verl's hf_tokenizer() sets pad to eos when a tokenizer has none
+        self.pad_token_id = self._hf.pad_token_id if self._hf.pad_token_id is not None else self._hf.eos_token_id
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """``apply_chat_template(messages, tokenize=False)`` as transformers 4.x did it (messages as given)."""
+        if self._fast_render is not None:
+            text = self._fast_render(messages, add_generation_prompt)
+            if text is not None:
+                return text
+        return render_chat(
+            self._template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens_map,
+        )
+
+    def token_id(self, token: str) -> int | None:
+        if self._backend is not None:
+            return self._backend.token_to_id(token)
+        return self._hf.convert_tokens_to_ids(token)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``tokenizer(text, add_special_tokens=False)["input_ids"]`` for every text, in one backend call."""
+        if self._backend is not None:
+            # encode_batch_fast (tokenizers >= 0.21): the same ids without computing character offsets
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            return [enc.ids for enc in encode(texts, add_special_tokens=False)]
+        return self._hf(texts, add_special_tokens=False)["input_ids"]
