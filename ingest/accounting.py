@@ -1,7 +1,8 @@
-"""What stages report about rows: per-batch counts, quarantine records, and the provenance columns that locate a row.
+"""What stages report about rows: per-batch counts, quarantine records, and where a row came from (the provenance
+columns of ``ingest.blocks``).
 
-Light on imports (pyarrow, Ray, ``ingest.errors``): the decode actor reports bad media through it without importing the
-tokenizer's modules.
+Light on imports (pyarrow, Ray, ``ingest.errors``): the decode actor reports bad media through it without importing
+the tokenizer's modules.
 """
 
 from __future__ import annotations

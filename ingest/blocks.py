@@ -21,7 +21,7 @@ ROW_COLUMN = "_ingest_row"  # 0-based row in that file
 PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
 
 # --- text rows: each prompt's ids once, unpadded, plus two per-row numbers; ``VerlCollate`` pads per batch ---------
-# (keeps ~24 KB of padding per row, three int64 (1024,) arrays, out of the object store and the driver's batching)
+# (keeps the padding, three int64 (max_prompt_length,) arrays per row, out of the object store and the batching)
 MAX_LENGTH_COLUMN = "_ingest_max_prompt_length"
 PAD_ID_COLUMN = "_ingest_pad_token_id"
 COMPACT_TEXT_COLUMNS = (MAX_LENGTH_COLUMN, PAD_ID_COLUMN)

@@ -112,7 +112,7 @@ class DataConfig:
     vision_device_resize: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
-    # "default" (Arrow's choice, mimalloc on Linux wheels); system measured ~20% less CPU for read + tokenize + decode
+    # "default" (Arrow's choice, mimalloc on Linux wheels); system costs less CPU for read + tokenize + decode
     # on a 2-core VM, where mimalloc's fresh huge pages cost more than it saves (docs/design.md)
     arrow_memory_pool: str = DEFAULT_ARROW_MEMORY_POOL
     # filesystem kwargs (S3 endpoint, keys, ...); repr=False keeps secrets out of a logged config

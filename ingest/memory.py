@@ -2,10 +2,9 @@
 reused block buffers.
 
 Every Parquet read and every Arrow-built column of a stage allocates from Arrow's default pool. Arrow's Linux wheels
-default to mimalloc, which takes fresh memory as transparent huge pages; on the 2-core VM of ``docs/benchmarks.md``
-first touches of those cost more than mimalloc saves: read + tokenize + decode of ``bench mm``'s 1,000 rows took
-4.2-5.0 s of CPU in a new process against 3.2-4.1 s with the system allocator (glibc malloc, set here to keep freed
-heap for the next block). The block-sized outputs (a block's decoded pixels, its patches) go into ``ReusedBuffers``.
+default to mimalloc, which takes fresh memory as transparent huge pages whose first touches cost more than it saves
+here; the system allocator (glibc malloc, set here to keep freed heap for the next block) is the default. The
+block-sized outputs (a block's decoded pixels, its patches) go into ``ReusedBuffers``. Measurements: docs/design.md.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ def keep_freed_heap(trim_bytes: int = 512 << 20) -> bool:
     """glibc malloc in this process: allocations up to 32 MB (its largest mmap threshold) from the heap, and up to
     ``trim_bytes`` of freed heap kept rather than returned to the kernel. By default glibc returns the top of the heap
     once more than twice its (adaptive) mmap threshold is free: a stage that frees a block's decoded images after
-    packing them then touches fresh pages again for the next block (~100k page faults per 1,000 ``bench mm`` rows in
-    the tokenizer actor; on the VM of ``docs/benchmarks.md`` a fresh page costs ~2-3.5 us). False where the C library
-    is not glibc (nothing changed)."""
+    packing them then touches fresh pages again for the next block, and first touches are dear (docs/design.md).
+    False where the C library is not glibc (nothing changed)."""
     import ctypes
 
     try:
@@ -58,13 +56,11 @@ _POOL_REFS = 2
 class ReusedBuffers:
     """Large output buffers of a stage, each reused once the block that held it has left this process.
 
-    A stage's block-sized outputs (a block's decoded pixels, its uint8 patches: ~45 MB for 100 geo3k rows) are above
-    glibc's largest mmap threshold (32 MB), so each fresh one is mapped and, once freed, unmapped: every block touches
-    new pages. On the 2-core VM of ``docs/benchmarks.md`` a first touch costs ~3.5 us a page (the host backs it), ~20
-    times the write itself: ~40 ms of CPU per such buffer. Here a buffer comes back when nothing else refers to it any
-    more (Ray has copied the block into the object store and dropped it): Arrow's wrapper (``pa.py_buffer``) and numpy
-    or torch views all hold a reference to the array this hands out, so a held buffer is never handed out again.
-    """
+    A stage's block-sized outputs (a block's decoded pixels, its uint8 patches) are above glibc's largest mmap threshold
+    (32 MB), so each fresh one is mapped and, once freed, unmapped: every block touches new pages, and a first touch
+    costs many times the write itself (docs/design.md). Here a buffer comes back when nothing else refers to it any more
+    (Ray has copied the block into the object store and dropped it): Arrow's wrapper (``pa.py_buffer``) and numpy or
+    torch views all hold a reference to the array this hands out, so a held buffer is never handed out again."""
 
     def __init__(self, keep: int = 2, slack: float = 1.25, allocate: Callable[[int], np.ndarray] | None = None):
         self._buffers: list[np.ndarray] = []
@@ -91,9 +87,7 @@ def _pageable(nbytes: int) -> np.ndarray:
     """A 1-D uint8 array of ``nbytes`` on its own private anonymous mapping, in small pages. numpy advises
     transparent huge pages for every array of 4 MB or more, and a first touch of a huge page has the kernel find
     (often compact) 2 MB of contiguous memory. Huge pages pay off for memory faulted again and again; these buffers
-    are faulted once per process, then reused. On the VM of ``docs/benchmarks.md`` 512 MB took 1.1-1.2 s to first
-    touch in huge pages against 0.2 s in small pages, and a session's first ``bench mm`` run halved the consumer's
-    system time with small pages."""
+    are faulted once per process, then reused (docs/design.md has the measurements)."""
     import mmap
 
     if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # nothing to map; Windows: no such mapping flags
@@ -107,8 +101,8 @@ def _pageable(nbytes: int) -> np.ndarray:
 def pinned_or_pageable(nbytes: int) -> np.ndarray:
     """A 1-D uint8 array of ``nbytes`` in page-locked (pinned) host memory where CUDA is there, else ordinary memory.
     A device-to-host copy into pinned memory is one DMA at the link's speed; into pageable memory the driver stages
-    it through its own pinned buffer and a CPU copy (in the H200 profile of ``docs/benchmarks.md`` that copy was 70%
-    of the GPU's time). The array keeps the pinned tensor (and so its memory) alive."""
+    it through its own pinned buffer and a CPU copy, which dominated the GPU profiles (docs/design.md). The array keeps
+    the pinned tensor (and so its memory) alive."""
     import torch
 
     if torch.cuda.is_available():

@@ -10,13 +10,13 @@ from dataset construction (verl: from ``RLHFDataset(...)``, tokenizer load inclu
 from __future__ import annotations
 
 import os
-import platform
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from ingest.devtools.session import cache_dir, cached_files, start_local_ray
 
 BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
 BATCH_SIZE = 64
@@ -37,14 +37,21 @@ MM_LAYOUTS = {
 }
 
 
-def _data(work_dir: Path, rows: int) -> list[str]:
+def gsm8k_files(work_dir: Path, rows: int) -> list[str]:
+    """gsm8k-shaped rows (1% overlong, 50k rows per file, 1000-row row groups) from the sample-data cache."""
     from ingest.demo import write_gsm8k_parquet
 
-    out = work_dir / f"gsm8k-{rows}"
-    existing = sorted(str(p) for p in out.glob("*.parquet"))
-    if existing:
-        return existing
-    return write_gsm8k_parquet(out, rows, num_files=max(1, rows // 50_000), row_group_size=1000, long_every=100)
+    def write(out: Path) -> list[str]:
+        return write_gsm8k_parquet(out, rows, num_files=max(1, rows // 50_000), row_group_size=1000, long_every=100)
+
+    return cached_files(work_dir, f"gsm8k-{rows}", write)
+
+
+def geo3k_files(work_dir: Path, rows: int) -> list[str]:
+    """geo3k-shaped image rows (100-row row groups) from the sample-data cache."""
+    from ingest.devtools.samples import write_geo3k_parquet
+
+    return cached_files(work_dir, f"geo3k-{rows}", lambda out: write_geo3k_parquet(out, rows, row_group_size=100))
 
 
 def run_ours(files: list[str], tokenizer: str, config: dict | None = None, processor: str | None = None) -> dict:
@@ -64,29 +71,9 @@ def run_ours(files: list[str], tokenizer: str, config: dict | None = None, proce
 
 
 def _start_ray(preload_modules: tuple[str, ...] = ()) -> dict:
-    """Local Ray on every core; ``preload_modules``: every worker imports these when it starts (a raylet setting)."""
-    import ray
-
-    t = time.perf_counter()
-    system_config = {"preload_python_modules": list(preload_modules)} if preload_modules else None
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=False,
-        _system_config=system_config,
-    )
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    init_s = time.perf_counter() - t
-    return {
-        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "date": time.strftime("%Y-%m-%d"),
-        "ray_init_s": round(init_s, 2),
-        "settle_s": _settle(),
-        "ray_data_cluster_start_s": _start_ray_data(),
-        "sizes": [],
-    }
+    """A new local Ray, settled, with Ray Data's cluster-wide actors created (``_start_ray_data``)."""
+    result = start_local_ray(preload_modules=preload_modules)
+    return {**result, "settle_s": _settle(), "ray_data_cluster_start_s": _start_ray_data(), "sizes": []}
 
 
 class _Identity:
@@ -162,12 +149,6 @@ def _settle(quiet_percent: float = 25.0, longest_s: float = 30.0) -> float:
     return round(time.perf_counter() - t, 1)
 
 
-def _work_dir(work_dir: str | None) -> Path:
-    work = Path(work_dir or Path(tempfile.gettempdir()) / "ingest-bench")
-    work.mkdir(parents=True, exist_ok=True)
-    return work
-
-
 def _compare(
     files: list[str],
     model: str,
@@ -221,7 +202,6 @@ def bench_mm(
     process start-up)."""
     import ray
 
-    from ingest.devtools.samples import write_geo3k_parquet
     from ingest.tokenizer.offline import build_offline_model_dir
 
     unknown = [name for name in layouts if name not in MM_LAYOUTS]
@@ -229,13 +209,12 @@ def bench_mm(
         raise ValueError(f"unknown layouts {unknown}: choose from {list(MM_LAYOUTS)}")
     chosen = {name: MM_LAYOUTS[name] for name in layouts}
     model = str(build_offline_model_dir())
-    work = _work_dir(work_dir)
+    work = cache_dir(work_dir)
     result = _start_ray(WARM_WORKER_MODULES if warm_workers else ())
     result["warm_workers"] = warm_workers
     mm_config = {**BENCH_CONFIG, "truncation": "left", **(config or {})}
     for n in rows:
-        out = work / f"geo3k-{n}"
-        files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, n, row_group_size=100)
+        files = geo3k_files(work, n)
         images = sum(len(x) for f in files for x in pq.read_table(f, columns=["images"])["images"].to_pylist())
         compared = _compare(files, model, mm_config, model, work, skip_verl, chosen, warm_workers)
         entry = {"rows": n, "images": images, **compared}
@@ -251,10 +230,10 @@ def bench_text(rows=(20_000, 200_000), work_dir: str | None = None, skip_verl: b
     from ingest.tokenizer.offline import build_offline_model_dir
 
     tokenizer = str(build_offline_model_dir())
-    work = _work_dir(work_dir)
+    work = cache_dir(work_dir)
     result = _start_ray()
     for n in rows:
-        entry = {"rows": n, **_compare(_data(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl)}
+        entry = {"rows": n, **_compare(gsm8k_files(work, n), tokenizer, BENCH_CONFIG, None, work, skip_verl)}
         result["sizes"].append(entry)
         print(entry, flush=True)
     ray.shutdown()
@@ -369,21 +348,9 @@ def bench_refs(
     from ingest.tokenizer.offline import build_offline_model_dir
 
     tokenizer = str(build_offline_model_dir())
-    work = _work_dir(work_dir)
-    # A local Ray of its own (address="local"): a `ray start` cluster left on this machine is not joined
-    t = time.perf_counter()
-    ray.init(
-        address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING", log_to_driver=False
-    )
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    result = {
-        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "ray_init_s": round(time.perf_counter() - t, 2),
-        "load_average_1m_at_start": round(os.getloadavg()[0], 2),
-        "sizes": [],
-    }
-    files = _data(work, rows)
+    work = cache_dir(work_dir)
+    result = {**start_local_ray(), "load_average_1m_at_start": round(os.getloadavg()[0], 2), "sizes": []}
+    files = gsm8k_files(work, rows)
     pool = [_rollout_actor_class().remote() for _ in range(actors)]
     ray.get([a.__ray_ready__.remote() for a in pool])
     modes = {

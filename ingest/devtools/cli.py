@@ -50,6 +50,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
     print(json.dumps(result, indent=2))
+    if args.record:
+        from ingest.devtools.chart import record
+
+        print(f"recorded; chart: {record(args.kind, result)}")
     return 0
 
 
@@ -61,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument(
+        "--record",
+        action="store_true",
+        help="text / mm: keep the result in docs/bench-results/ and redraw docs/benchmarks.png from every record",
+    )
     bench.add_argument("--passes", type=int, default=1, help="vision only: each pool goes over the blocks N times")
     bench.add_argument(
         "--gpu-actors", type=int, nargs="+", help="vision only: the 'cuda xK' pools, K actors sharing the GPU (2 4)"

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ingest.devtools.session import cache_dir, cached_files, machine, start_local_ray
 
 ROWS_PER_FILE = 50_000
 ROW_GROUP_SIZE = 1000
@@ -45,16 +45,18 @@ def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None]:
     """gsm8k-shaped files (1% overlong, 50k rows per file, 1000-row row groups), generated once, in a child process
     (``write_gsm8k_parquet`` holds every row as a Python dict: its memory must not count for the pipeline).
     Returns the files and the generation time (None when they already existed)."""
-    out = work_dir / f"gsm8k-{rows}"
-    files = max(1, rows // ROWS_PER_FILE)
-    existing = sorted(str(p) for p in out.glob("*.parquet"))
-    if len(existing) == files and (out / "done").exists():
-        return existing, None
-    started = time.perf_counter()
-    cmd = [sys.executable, "-m", "ingest", "sample", str(out), "--rows", str(rows), "--files", str(files)]
-    subprocess.run(cmd + ["--long-every", "100"], check=True, stdout=subprocess.DEVNULL)
-    (out / "done").write_text("")
-    return sorted(str(p) for p in out.glob("*.parquet")), time.perf_counter() - started
+    seconds: list[float] = []
+
+    def write(out: Path) -> list[str]:
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "ingest", "sample", str(out), "--rows", str(rows)]
+        cmd += ["--files", str(max(1, rows // ROWS_PER_FILE)), "--long-every", "100"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - started)
+        return list(out.glob("*.parquet"))
+
+    files = cached_files(work_dir, f"scale-gsm8k-{rows}", write)
+    return files, (seconds[0] if seconds else None)
 
 
 def _kind(proc) -> str:
@@ -192,10 +194,7 @@ def measure(rows: int, work_dir: Path) -> dict:
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())
-    t = time.perf_counter()
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    ray_init_s = time.perf_counter() - t
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ray_init_s = start_local_ray()["ray_init_s"]
     consumed = [0]
     sampler = MemorySampler(lambda: consumed[0])
     time.sleep(2.0)  # let the idle session settle, then take its baseline
@@ -217,7 +216,7 @@ def measure(rows: int, work_dir: Path) -> dict:
         "rows_out": consumed[0],
         "files": len(files),
         "generate_s": None if gen_s is None else round(gen_s, 1),
-        "ray_init_s": round(ray_init_s, 2),
+        "ray_init_s": ray_init_s,
         "seconds": round(seconds, 1),
         "time_to_first_batch_s": None if first is None else round(first, 2),
         "rows_per_s": round(consumed[0] / seconds, 1),
@@ -231,13 +230,9 @@ def bench_scale(rows: list[int] | None = None, work_dir: str | None = None) -> d
     """Each size in its own child process (``python -m ingest.devtools.scale``), then the peak ratio of the last to
     the first."""
     rows = rows or [100_000, 1_000_000]
-    work = Path(work_dir or Path(tempfile.gettempdir()) / "ingest-scale")
-    work.mkdir(parents=True, exist_ok=True)
-    import psutil
-
+    work = cache_dir(work_dir)
     result: dict = {
-        "machine": f"{platform.node()} {os.cpu_count()} cores, {round(psutil.virtual_memory().total / 2**30)} GiB, "
-        f"{platform.processor() or platform.machine()}",
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "batch_size": BATCH_SIZE,
         "config": SCALE_CONFIG,

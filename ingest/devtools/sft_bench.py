@@ -140,43 +140,21 @@ def run_pipeline(files: list[str], model: str, config: dict) -> tuple[dict, list
     return result, out
 
 
-def _start_local_ray() -> dict:
-    """A fresh local Ray on every core (never a cluster someone started with ``ray start`` on this machine)."""
-    import os
-    import platform
-
-    import ray
-
-    t = time.perf_counter()
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=False,
-    )
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    return {
-        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "ray_init_s": round(time.perf_counter() - t, 2),
-        "sizes": [],
-    }
-
-
 def bench_sft(rows=(20_000,), work_dir: str | None = None, config: dict | None = None) -> dict:
     import ray
     import torch  # noqa: F401  (a trainer has torch loaded)
 
-    from ingest.devtools.bench import _work_dir
+    from ingest.devtools.session import cache_dir, cached_files, start_local_ray
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())
-    work = _work_dir(work_dir)
-    result = _start_local_ray()
+    work = cache_dir(work_dir)
+    result = {**start_local_ray(), "sizes": []}
     cfg = {**BENCH_CONFIG, **(config or {})}
     for n in rows:
-        files = write_sft_parquet(work / f"sft-{n}", n, num_files=max(1, n // 50_000))
+        files = cached_files(
+            work, f"sft-{n}", lambda out, n=n: write_sft_parquet(out, n, num_files=max(1, n // 50_000))
+        )
         ours, ours_samples = run_pipeline(files, model, cfg)
         loop, loop_samples = run_ours_loop(files, model, cfg["sft_max_length"])
         baseline, baseline_samples = run_baseline(files, model, cfg["sft_max_length"])

@@ -19,8 +19,6 @@ start-up is not on it.
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 
 import pyarrow as pa
@@ -132,13 +130,12 @@ def bench_vision(
     import ray
     import torch
 
-    from ingest.devtools.bench import _work_dir
-    from ingest.devtools.samples import write_geo3k_parquet
+    from ingest.devtools.bench import geo3k_files
+    from ingest.devtools.session import cache_dir, start_local_ray
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())
-    out = _work_dir(work_dir) / f"geo3k-{rows}"
-    files = sorted(str(p) for p in out.glob("*.parquet")) or write_geo3k_parquet(out, rows, row_group_size=100)
+    files = geo3k_files(cache_dir(work_dir), rows)
     gpu = torch.cuda.is_available() if gpu is None else gpu
     runs = [("cpu", CPU_POOL, False, "auto")]  # on the CPU: the uint8 kernel, whatever the setting
     if gpu:
@@ -148,11 +145,9 @@ def bench_vision(
         for kernel in others:
             runs += [(f"cuda {kernel}", GPU_POOL, False, kernel)]
             runs += [(f"cuda {kernel} x{k}", shared_gpu_pool(k), False, kernel) for k in gpu_actors]
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     result = {
-        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        **start_local_ray(),
         "gpu": torch.cuda.get_device_name(0) if gpu else None,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
         "pools": {},
     }

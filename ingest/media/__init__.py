@@ -1,0 +1,1 @@
+"""Images and videos: processor geometry, decoding, pixel kernels (C / torch / Triton) and where they run."""

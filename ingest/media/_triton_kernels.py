@@ -1,7 +1,6 @@
 """The Triton kernels of ``ingest.media.triton_resize`` (a module of their own: importing triton costs, and only a
-process
-that resizes on a GPU with them needs it). Every table they read is int32; ``triton_resize.PARAM_NAMES`` names the
-columns of ``table``: 0-3 the source offset and strides, 4-7 the sizes in and out, 8-9 the scratch and patch
+process that resizes on a GPU with them needs it). Every table they read is int32; ``triton_resize.PARAM_NAMES`` names
+the columns of ``table``: 0-3 the source offset and strides, 4-7 the sizes in and out, 8-9 the scratch and patch
 offsets, 10-13 the width axis, 14-17 the height axis (each: axis offset, weights offset, taps, precision)."""
 
 import triton

@@ -60,7 +60,7 @@ def limit_torch_threads() -> None:
     """Hold torch's CPU thread pool to the actor's CPU share. Ray sets ``OMP_NUM_THREADS`` per task and actor (1
     for a fractional CPU) and torch follows it when first imported there; in a worker that imported torch earlier (a
     cluster started with ``RAY_preload_python_modules`` naming torch) the pool spans every core, and its OpenMP
-    threads spin-wait on the cores the other stages' actors need (+2 s of CPU per 1,000 rows in ``bench mm``).
+    threads spin-wait on the cores the other stages' actors need (docs/design.md).
     Where torch is not imported yet this leaves it so (the CPU image path may never need it)."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:

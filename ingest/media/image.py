@@ -94,12 +94,12 @@ def _pil_rgb(image) -> tuple[np.ndarray, dict]:
 
 
 def stored_png(data: bytes) -> bytes | None:
-    """``data``, a PNG, with its image data inflated by libdeflate (``deflate``; about twice zlib's speed on the
-    bench's images) and stored back uncompressed: one ``IDAT`` chunk holding stored deflate blocks, every other chunk
-    as it was. A PNG decoder (libspng, PIL) then copies the data and only unfilters it: the same pixels (PNG is
-    lossless) for ~40% less CPU than inflating with zlib. None, and the decoder gets ``data`` itself (and accepts or
-    rejects it as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong,
-    or the data does not inflate (checksum included) to exactly the size the header gives."""
+    """``data``, a PNG, with its image data inflated by libdeflate (``deflate``; about twice zlib's speed on the bench's
+    images) and stored back uncompressed: one ``IDAT`` chunk holding stored deflate blocks, every other chunk as it was.
+    A PNG decoder (libspng, PIL) then copies the data and only unfilters it: the same pixels (PNG is lossless) for less
+    CPU than inflating with zlib (docs/design.md). None, and the decoder gets ``data`` itself (and accepts or rejects it
+    as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong, or the data
+    does not inflate (checksum included) to exactly the size the header gives."""
     try:
         import deflate
     except ImportError:

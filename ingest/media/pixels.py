@@ -31,12 +31,11 @@ _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the value processor configs store
 PATCHES = ReusedBuffers()  # a block's uint8 patches on the CPU (``ImagePixels.patches``)
 DEVICE_PATCHES = ReusedBuffers(allocate=pinned_or_pageable)  # a device's patches copied back (``host_array``)
 UPLOAD_STAGING = ReusedBuffers(allocate=pinned_or_pageable)  # a block's pixels on their way to CUDA (``upload``)
-# float32 ``pixel_values`` built on the CPU (``normalize_patches``), one buffer per image row: the consumer builds
-# ~3.6 MB per geo3k image, eight times the block's uint8 patches. From malloc they land on fresh pages every batch
-# (the collate runs in a new thread each iteration, whose glibc arena gives its heaps back once a batch is freed):
-# zeroing those was 40% of the consumer's CPU on the VM of ``docs/benchmarks.md``. At most 192 buffers are kept
-# (about three 64-row batches: what a consumer holds at its peak, ~0.8 GB of geo3k rows), each handed out again only
-# once nothing holds it.
+# float32 ``pixel_values`` built on the CPU (``normalize_patches``), one buffer per image row: eight times the bytes
+# of the block's uint8 patches. From malloc they land on fresh pages every batch (the collate runs in a new thread
+# each iteration, whose glibc arena gives its heaps back once a batch is freed), and zeroing those dominated the
+# consumer's CPU (docs/design.md). At most 192 buffers are kept (about three 64-row batches: what a consumer holds at
+# its peak), each handed out again only once nothing holds it.
 PIXEL_VALUES = ReusedBuffers(keep=192, slack=1.0)
 
 
@@ -143,9 +142,8 @@ class ImagePixels:
 
 
 def _triton_patches(images: list, device: str, grids: np.ndarray, shape: tuple, p: int, m: int):
-    """``ImagePixels.patches`` through ``ingest.media.triton_resize.block_patches``. Arrays go up in one copy, read
-    in place
-    as (H, W, 3): the span of one buffer where they are views of it (a block's), else packed on the host first.
+    """``ImagePixels.patches`` through ``ingest.media.triton_resize.block_patches``. Arrays go up in one copy, read in
+    place as (H, W, 3): the span of one buffer where they are views of it (a block's), else packed on the host first.
     Tensors already on the device (nvJPEG's) are packed there as (3, H, W) with the arrays."""
     import torch
 
@@ -233,9 +231,9 @@ def device_images(images: list, device: str, one_copy: bool | None = None) -> li
 def upload(buffer: np.ndarray, device: str):
     """A 1-D uint8 host array as a tensor on ``device``, in one copy. To CUDA through a reused pinned staging buffer:
     a CPU copy, then one DMA at the link's speed. From pageable memory the driver stages the transfer itself, CPU copy
-    and DMA in turn, and the GPU's copy engine is busy all along: 4.5 ms of ~9 ms of GPU time per 100-row block in the
-    H200 profile of ``docs/benchmarks.md``. Where several actors share a GPU, that GPU time is what runs out. (One
-    actor alone gains nothing: the CPU copy is then on its critical path.)"""
+    and DMA in turn, and the GPU's copy engine is busy all along (half the GPU time in the profiles of
+    docs/design.md). Where several actors share a GPU, that GPU time is what runs out. (One actor alone gains nothing:
+    the CPU copy is then on its critical path.)"""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -337,11 +335,11 @@ def resize_bicubic(images, height: int, width: int, native_uint8: bool | None = 
     alone (importing torchvision costs an actor seconds). ``native_uint8`` (default: on CPU) runs torch's uint8
     kernel, as torchvision does on CPU. Otherwise (other devices, where there is no uint8 kernel) two float passes,
     horizontal then vertical, each clamped and rounded to uint8 values as the uint8 kernel stores its intermediate
-    image: within 2 levels of it (one float pass, torchvision's GPU path, is up to ~20 levels off at sharp edges)."""
+    image: within 2 levels of it (one float pass, torchvision's GPU path, is further off at sharp edges)."""
     import torch
 
     # the kernel F.interpolate(mode="bicubic", antialias=True, align_corners=False, size=...) calls, without its
-    # Python argument checks (~15 us a call on this VM's CPU: on a GPU, where the host only launches, that counts)
+    # Python argument checks (on a GPU, where the host only launches kernels, their time counts)
     interpolate = torch.ops.aten._upsample_bicubic2d_aa
     if tuple(images.shape[-2:]) == (height, width):
         return images

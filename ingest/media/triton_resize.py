@@ -1,21 +1,19 @@
 """Qwen2-VL image patches on a GPU in two Triton kernels per block: torch's uint8 antialiased bicubic resize, to
 the bit, then the processor's patch order.
 
-The arithmetic is the CPU uint8 kernel's (``ingest/media/_resize.c``, aten's ``UpSampleKernel.cpp``): per axis,
-Keys cubic
-weights over the antialiasing support in double, normalized, scaled to integers with the largest precision that
-keeps the biggest weight below 2^15; each output value is clamp((2^(precision-1) + sum(pixel * weight)) >> precision,
-0, 255), the width pass first into a uint8 image, then the height pass. The weights are computed here on the host
-(``axis_weights``, a port of ``axis_init``), the sums in int32 on the device, where integer sums are exact in any
-order: so the patches are the CPU kernel's, where the float two-pass resize of
-``ingest.media.pixels.resize_bicubic`` (the
+The arithmetic is the CPU uint8 kernel's (``ingest/media/_resize.c``, aten's ``UpSampleKernel.cpp``): per axis, Keys
+cubic weights over the antialiasing support in double, normalized, scaled to integers with the largest precision that
+keeps the biggest weight below 2^15; each output value is clamp((2^(precision-1) + sum(pixel * weight)) >> precision, 0,
+255), the width pass first into a uint8 image, then the height pass. The weights are computed here on the host
+(``axis_weights``, a port of ``axis_init``), the sums in int32 on the device, where integer sums are exact in any order:
+so the patches are the CPU kernel's, where the float two-pass resize of ``ingest.media.pixels.resize_bicubic`` (the
 ``torch`` device resize) is within 2 levels of them.
 
-Why: that float path launches ~9 kernels per image (a float copy, two resize passes, clamp and round after each, the
-uint8 cast, the patch-order copy), each tiny; on a GPU shared by several actors' processes, which the driver
-time-slices, those launches and their gaps are what the pool runs out of (``docs/benchmarks.md``). Here a block of
-any number of images of any sizes is two launches (the width pass into a (H, 3, W') scratch image per image, the
-height pass writing straight into the patch layout), plus the upload of their parameters and weights.
+Why: that float path launches several kernels per image (a float copy, two resize passes, clamp and round after each,
+the uint8 cast, the patch-order copy), each tiny; on a GPU shared by several actors' processes, which the driver
+time-slices, those launches and their gaps are what the pool runs out of (``docs/benchmarks.md``). Here a block of any
+number of images of any sizes is two launches (the width pass into a (H, 3, W') scratch image per image, the height pass
+writing straight into the patch layout), plus the upload of their parameters and weights.
 
 ``TRITON_INTERPRET=1`` (set before triton is imported) runs the same kernels on CPU tensors: the tests do.
 """

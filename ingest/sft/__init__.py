@@ -1,13 +1,12 @@
 """SFT training samples: one-pass chat rendering with per-token tags, loss masks, media placeholders.
 
-The contract is the semantics of the ``renderers`` package's
-``build_training_sample`` (``docs/sft.md`` describes the tagging rules). In short:
+The contract is the semantics of the ``renderers`` package's ``build_training_sample`` (``docs/sft.md`` describes the
+tagging rules). In short:
 
 - A renderer renders the conversation once with the model's chat template (the Jinja environment of
   ``ingest.tokenizer.template``, what ``apply_chat_template`` renders), encodes the text in one backend call with
-  character
-  offsets, and tags every token with the message it came from (-1: scaffolding), whether the model samples it and
-  whether it is message body. Token ids therefore equal ``apply_chat_template(messages, tokenize=True)``.
+  character offsets, and tags every token with the message it came from (-1: scaffolding), whether the model samples it
+  and whether it is message body. Token ids therefore equal ``apply_chat_template(messages, tokenize=True)``.
 - ``ChatMLRenderer`` (ChatML templates: Qwen2-VL, Qwen2.5, Qwen3, ...) knows the turn structure
   ``<|im_start|>role\\n body <|im_end|>``: sampled = assistant body + its ``<|im_end|>``.
   ``TemplateRenderer`` (any other template) attributes characters to messages by prefix rendering and cannot tell

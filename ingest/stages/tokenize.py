@@ -93,7 +93,7 @@ class PromptTokenizeStage:
     def _invalid_values(self, table: pa.Table) -> dict[int, BadRowError]:
         """Rows with values Arrow's full validation rejects (in practice: string bytes that are not UTF-8)."""
         try:
-            table.validate(full=True)  # ~70 us for 256 gsm8k rows
+            table.validate(full=True)  # cheap next to tokenizing the batch
             return {}
         except pa.ArrowInvalid:
             pass

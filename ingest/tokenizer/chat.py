@@ -3,7 +3,8 @@
 ``ChatTokenizer`` renders a chat with the model's Jinja template (transformers' own renderer, with the same variables
 ``apply_chat_template`` passes) and encodes a whole batch in one call to the Rust backend. For plain BPE tokenizers
 (Qwen2 and other ``tokenizer.json`` models whose class adds no Python-side behaviour) it loads ``tokenizer.json``
-directly: 4x faster than ``AutoTokenizer`` and the ids are the same. Anything else goes through ``AutoTokenizer``.
+directly: faster to load and call than ``AutoTokenizer`` (docs/design.md), and the ids are the same. Anything else goes
+through ``AutoTokenizer``.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
 def _compact_tokenizer_json(path: Path) -> None:
     """Write merges as "a b" strings on one line, as Qwen's published tokenizer.json has them.
 
-    tokenizers saves pretty-printed ``[a, b]`` pairs (17 MB here); the hub's form (8 MB) parses in about half the time,
+    tokenizers saves pretty-printed ``[a, b]`` pairs; the hub's form, half the size, parses in about half the time,
     which every tokenizer actor pays when it starts. The ids are the same: byte-level BPE tokens hold no spaces.
     """
     data = json.loads(path.read_text(encoding="utf-8"))

@@ -1,4 +1,4 @@
-"""Chat-template rendering without importing transformers (its import alone costs ~1 s per actor start).
+"""Chat-template rendering without importing transformers (its import alone is seconds of every actor start).
 
 The Jinja environment is the one transformers builds in ``_cached_compile_jinja_template`` (sandboxed, trim/lstrip
 blocks, loop controls, its ``tojson`` / ``raise_exception`` / ``strftime_now`` / ``dict`` / ``namespace`` globals);
@@ -99,11 +99,10 @@ def qwen2_vl_text_renderer(source: str):
     """A plain-Python renderer equal to ``source`` on text-only chats, when ``source`` is the published Qwen2-VL
     template (the embedded default's); None for any other template.
 
-    Jinja spends ~80 us per prompt in context set-up and sandbox checks, a third of a tokenizer actor's time on short
-    prompts. The returned function gives the template's exact text for messages whose role and content are strings
-    and returns None for anything else (content lists, other types), which then goes through Jinja.
-    ``tests/test_chat_template.py`` checks it against Jinja on generated chats.
-    """
+    Jinja's context set-up and sandbox checks per prompt are a large share of a tokenizer actor's time on short prompts
+    (docs/design.md). The returned function gives the template's exact text for messages whose role and content are
+    strings and returns None for anything else (content lists, other types), which then goes through Jinja.
+    ``tests/test_chat_template.py`` checks it against Jinja on generated chats."""
     from ingest.tokenizer.offline import QWEN2_VL_CHAT_TEMPLATE
 
     if source != QWEN2_VL_CHAT_TEMPLATE:

@@ -1,7 +1,6 @@
 """On the GPU machine: the shared GPU pool with the staged pinned upload (``ingest.media.pixels.upload``, the code)
-against
-the pageable upload it replaced, alternating, several rounds, one Ray session: the A/B that one run each left open
-(docs/benchmarks.md, 2026-11-26). Prints images/s per round and the medians. ``AB_ACTORS`` (default 16),
+against the pageable upload it replaced, alternating, several rounds, one Ray session: the A/B that one run each left
+open (docs/benchmarks.md, 2026-11-26). Prints images/s per round and the medians. ``AB_ACTORS`` (default 16),
 ``AB_ROUNDS`` (3), ``AB_PASSES`` (20), ``AB_DEVICE`` (cuda; cpu for a dry run). Argument: bench vision's data dir."""
 
 import glob

@@ -1,10 +1,9 @@
-"""On the GPU machine (ingest/devtools/gpu/video.sh runs it): torchcodec's video decoder on CUDA (NVDEC) against
-PyAV on the
-CPU, on clips made here with PyAV. Per clip: the frames of ``probe_video``'s sampling from each decoder, their
+"""On the GPU machine (ingest/devtools/gpu/video.sh runs it): torchcodec's video decoder on CUDA (NVDEC) against PyAV on
+the CPU, on clips made here with PyAV. Per clip: the frames of ``probe_video``'s sampling from each decoder, their
 difference from PyAV's in levels (NVDEC's YUV -> RGB conversion is not FFmpeg's swscale), and the time per video of
-``decode_video_file`` with each (best of 5, after one warm-up). Writes one JSON line per clip and a summary to
-stdout, and the whole to $OUT/video_check.json. ``VIDEO_CHECK_DEVICE=cpu`` runs it on a CPU machine (a dry run:
-torchcodec's CPU decoder in place of NVDEC)."""
+``decode_video_file`` with each (best of 5, after one warm-up). Writes one JSON line per clip and a summary to stdout,
+and the whole to $OUT/video_check.json. ``VIDEO_CHECK_DEVICE=cpu`` runs it on a CPU machine (a dry run: torchcodec's CPU
+decoder in place of NVDEC)."""
 
 import ctypes
 import json
