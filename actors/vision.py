@@ -6,24 +6,27 @@ import pyarrow as pa
 
 from ingest.config import DataConfig, StageContext
 from ingest.memory import use_arrow_memory_pool
-from ingest.stages.media import media_stages
+from ingest.stages.media import Pool, media_stages
 
 
-class DecodeActor:
+class _MediaActor:
+    pool: Pool  # which media stages run here: ingest.stages.media.media_steps
+
+    def __init__(self, config: DataConfig, context: StageContext, processor: str):
+        use_arrow_memory_pool(config.arrow_memory_pool)
+        self.process = media_stages(config, context, processor, self.pool)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.process(batch)
+
+
+class DecodeActor(_MediaActor):
     """The decode stage; with ``vision_pool_max_size: 0`` the vision stage after it, here."""
 
-    def __init__(self, config: DataConfig, context: StageContext, processor: str):
-        use_arrow_memory_pool(config.arrow_memory_pool)
-        self.process = media_stages(config, context, processor, "decode")
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.process(batch)
+    pool = "decode"
 
 
-class VisionActor:
-    def __init__(self, config: DataConfig, context: StageContext, processor: str):
-        use_arrow_memory_pool(config.arrow_memory_pool)
-        self.process = media_stages(config, context, processor, "vision")
+class VisionActor(_MediaActor):
+    """The vision stage, on the CPU or a GPU (``vision_num_gpus``)."""
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.process(batch)
+    pool = "vision"
