@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray for the session, the offline Qwen2-VL tokenizer, generated data."""
+"""Shared fixtures: one real local Ray for the session, the offline Qwen2-VL tokenizer, generated data; tests marked
+``gpu`` skip where there is no CUDA device. Helpers that are not fixtures are in tests/support/."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import pytest
 
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests need a CUDA device: skipped without one (``pytest -m gpu`` selects them on a GPU
+    machine)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +64,9 @@ def variety_files(tmp_path_factory):
     )
 
 
-def collect(ds, batch_size=16, **collate_kwargs):
-    from ingest import VerlCollate
+@pytest.fixture(scope="module")
+def geo3k_files(tmp_path_factory):
+    """geo3k-shaped multimodal rows (every image kind, written with the HF Image() feature), over 2 files."""
+    from ingest.devtools.samples import write_geo3k_parquet
 
-    return list(ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate(**collate_kwargs)))
+    return write_geo3k_parquet(tmp_path_factory.mktemp("geo3k"), 48, num_files=2, row_group_size=12)

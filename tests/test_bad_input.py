@@ -19,7 +19,7 @@ from ingest import BadRowError, ModelLoadError, SourceError, build_dataset
 from ingest.errors import find_ingest_error
 from ingest.run import run_pipeline, write_summary_json
 from ingest.stats import RunLedger
-from tests.conftest import collect
+from tests.support.batches import collect
 
 QUARANTINE = {"shuffle": False}
 STRICT = {"shuffle": False, "on_bad_row": "raise"}

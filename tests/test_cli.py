@@ -9,8 +9,8 @@ import sys
 import yaml
 
 from ingest import build_dataset
-from tests.conftest import collect
-from tests.helpers import assert_same_batches
+from tests.support.batches import collect
+from tests.support.compare import assert_same_batches
 
 
 def _run(*args, timeout=600):

@@ -17,7 +17,7 @@ import ray
 
 from ingest.run import run_pipeline
 from ingest.stats import METRIC_NAMES
-from tests.cluster_helpers import ROOT, cluster_env, free_port, start_head, stop_cluster
+from tests.support.cluster import ROOT, cluster_env, free_port, start_head, stop_cluster
 
 
 def _submit(dashboard: int, submission: str, out, summary_path, env) -> subprocess.CompletedProcess:
@@ -138,7 +138,7 @@ print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "p
 
 def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
     from ingest.devtools.samples import write_geo3k_parquet
-    from tests.cluster_helpers import start_autoscaling_cluster
+    from tests.support.cluster import start_autoscaling_cluster
 
     files = write_geo3k_parquet(tmp_path / "geo3k", 192, row_group_size=8)
     port = free_port()

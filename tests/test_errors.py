@@ -11,7 +11,7 @@ import pytest
 
 from ingest import BadRowError, ModelLoadError, SourceError, build_dataset
 from ingest.errors import find_ingest_error
-from tests.conftest import collect
+from tests.support.batches import collect
 
 
 def _write(path, rows):

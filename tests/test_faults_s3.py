@@ -48,7 +48,7 @@ from ingest.demo import write_gsm8k_parquet
 from ingest.errors import find_ingest_error
 from ingest.read.files import filesystem_for
 from ingest.stats import RunLedger
-from tests.helpers import moto_s3
+from tests.support.s3 import moto_s3
 
 ROWS, LONG_EVERY = 2000, 50
 KEY, SECRET = "AKIAFAULTTESTKEY0001", "fault-test-secret-do-not-print"

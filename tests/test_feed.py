@@ -19,8 +19,8 @@ from ingest.demo import write_gsm8k_parquet
 from ingest.devtools.oracle import oracle_available, run_verl_dataproto
 from ingest.devtools.samples import write_geo3k_parquet
 from ingest.feed import batch_to_numpy, batch_to_torch, split_for_rollout
-from tests.conftest import collect
-from tests.helpers import assert_same, assert_same_batches
+from tests.support.batches import collect
+from tests.support.compare import assert_same, assert_same_batches
 
 # Classes below (rollout actors, a counting collate) travel to Ray workers by value, not by module name.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -312,7 +312,7 @@ def test_collate_device_moves_tensors_and_multi_modal_inputs(mm_ds, mm_batches):
     assert_same_batches(collect(mm_ds, 8, device="cpu"), mm_batches)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_collate_cuda_device(mm_ds, mm_batches):
     moved = collect(mm_ds, 8, device="cuda")
     for batch, ref in zip(moved, mm_batches, strict=True):

@@ -15,11 +15,12 @@ import torch
 from ingest import BadRowError, build_dataset
 from ingest.config import DataConfig, StageContext
 from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.devtools.samples import IMAGE_KINDS, encode_image, make_image, write_geo3k_parquet
+from ingest.devtools.samples import IMAGE_KINDS, encode_image, make_image
 from ingest.errors import find_ingest_error
 from ingest.stats import RunLedger
-from tests.conftest import collect
-from tests.helpers import assert_same_batches, write_media_rows
+from tests.support.batches import collect
+from tests.support.compare import assert_same_batches
+from tests.support.media import write_media_rows
 
 CONFIGS = [
     {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},
@@ -32,11 +33,6 @@ CONFIGS = [
     },
 ]
 BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def geo3k_files(tmp_path_factory):
-    return write_geo3k_parquet(tmp_path_factory.mktemp("geo3k"), 48, num_files=2, row_group_size=12)
 
 
 @pytest.fixture(scope="module")
@@ -142,142 +138,7 @@ def test_deferred_jpegs_give_the_same_block_as_the_decode_stage(geo3k_files, mod
     assert deferred >= 3
 
 
-def test_only_complete_baseline_jpegs_are_left_to_the_device():
-    import random
-
-    from PIL import Image
-
-    from ingest.media.image import decode_rgb, deferrable_jpeg
-
-    rng = random.Random(5)
-    jpeg = encode_image(*make_image("jpeg", rng))
-    size, info = deferrable_jpeg(jpeg)
-    rgb, rgb_info = decode_rgb(jpeg)
-    assert size.shape[:2] == rgb.shape[:2] and size.size == 0 and info == rgb_info
-    gray = io.BytesIO()
-    Image.new("L", (40, 30), 7).save(gray, "JPEG")
-    assert deferrable_jpeg(gray.getvalue())[1] == decode_rgb(gray.getvalue())[1]
-    progressive, cmyk = io.BytesIO(), io.BytesIO()
-    Image.fromarray(rgb).save(progressive, "JPEG", progressive=True)
-    Image.new("CMYK", (40, 30)).save(cmyk, "JPEG")
-    png = encode_image(*make_image("png", rng))
-    # the rest decodes on the CPU in the decode stage, where a truncated file becomes a quarantine record
-    assert all(deferrable_jpeg(data) is None for data in (progressive.getvalue(), cmyk.getvalue(), png, jpeg[:-300]))
-
-
-def _png_chunks(data: bytes) -> list[list[bytes]]:
-    """[kind, payload] per chunk of a PNG file."""
-    import struct
-
-    chunks, position = [], 8
-    while position < len(data):
-        (length,) = struct.unpack_from(">I", data, position)
-        chunks.append([data[position + 4 : position + 8], data[position + 8 : position + 8 + length]])
-        position += 12 + length
-    return chunks
-
-
-def _png_file(chunks: list[list[bytes]]) -> bytes:
-    import struct
-    import zlib
-
-    body = [struct.pack(">I", len(p)) + k + p + struct.pack(">I", zlib.crc32(k + p)) for k, p in chunks]
-    return b"\x89PNG\r\n\x1a\n" + b"".join(body)
-
-
-def _pil_rgb(data: bytes):
-    """What verl gets: PIL's ``convert("RGB")`` pixels and ``info``."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as image:
-        rgb = image.convert("RGB")
-        return np.asarray(rgb), dict(rgb.info)
-
-
-def test_png_fast_decode_gives_pils_pixels_and_info():
-    """8-bit RGB / RGBA PNGs decode with libspng; everything else, and whatever libspng refuses, with PIL. Either
-    way the pixels and ``info`` are what PIL's ``convert("RGB")`` gives (what verl gets)."""
-    import random
-
-    from PIL import Image
-
-    from ingest.media.image import decode_rgb, plain_png
-
-    rng = random.Random(11)
-    buf = io.BytesIO()
-    make_image("png", rng)[0].convert("RGB").save(buf, "PNG", dpi=(72, 72))
-    rgb = buf.getvalue()
-    rgba = encode_image(*make_image("rgba", rng))
-    chunks = _png_chunks(rgb)
-    text = [b"tEXt", b"comment\x00after the pixels"]
-    text_after_pixels = _png_file([*chunks[:-1], text, chunks[-1]])
-    unknown_chunk = _png_file([chunks[0], [b"ABCD", b"x"], *chunks[1:]])  # PIL skips it; libspng refuses the file
-    gamma = _png_file([chunks[0], [b"gAMA", (45455).to_bytes(4, "big")], *chunks[1:]])  # neither decoder applies it
-    deep = encode_image(Image.fromarray(np.full((30, 40), 300, dtype=np.uint16)), "PNG")  # 16-bit gray
-    assert plain_png(rgb) and plain_png(rgba) and plain_png(unknown_chunk) and plain_png(gamma)
-    assert not plain_png(text_after_pixels) and not plain_png(deep) and not plain_png(rgb[: len(rgb) // 2])
-    cases = {"rgb": rgb, "rgba": rgba, "text": text_after_pixels, "unknown": unknown_chunk, "gamma": gamma}
-    cases["16-bit"] = deep
-    for name, data in cases.items():
-        ours, theirs = decode_rgb(data), _pil_rgb(data)
-        assert ours[0].dtype == np.uint8 and np.array_equal(ours[0], theirs[0]), name
-        assert ours[1] == theirs[1], name
-    assert decode_rgb(text_after_pixels)[1]["comment"] == "after the pixels"
-
-
-def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
-    """``stored_png``: the image data inflated by libdeflate and stored uncompressed, every other chunk kept, for
-    every PNG kind (split image data, text after it included); ``decode_rgb`` then gives PIL's pixels and info.
-    Whatever is not sound (a wrong CRC, data that does not inflate to the header's size, interlacing) is left to
-    the decoder as it is, so it accepts or rejects it as PIL does."""
-    import random
-    import struct
-    import zlib
-
-    from PIL import Image
-
-    from ingest.media.image import decode_rgb, stored_png
-
-    rng = random.Random(12)
-    kinds = {kind: encode_image(*make_image(kind, rng)) for kind in ("png", "gray", "palette", "rgba", "wide")}
-    rgb = kinds["png"]
-    kinds["16-bit"] = encode_image(Image.fromarray(np.full((30, 41), 300, dtype=np.uint16)), "PNG")
-    kinds["1-bit"] = encode_image(Image.fromarray(np.eye(29, dtype=bool)), "PNG")
-    chunks = _png_chunks(rgb)
-    data = b"".join(p for k, p in chunks if k == b"IDAT")
-    thirds = [data[: len(data) // 3], data[len(data) // 3 : 2 * len(data) // 3], data[2 * len(data) // 3 :]]
-    kinds["split"] = _png_file([chunks[0], *([b"IDAT", t] for t in thirds), chunks[-1]])
-    kinds["text after"] = _png_file([*chunks[:-1], [b"tEXt", b"comment\x00after"], chunks[-1]])
-    for name, png in kinds.items():
-        stored = stored_png(png)
-        assert stored is not None and [k for k, _ in _png_chunks(stored)].count(b"IDAT") == 1, name
-        assert [c for c in _png_chunks(stored) if c[0] != b"IDAT"] == [c for c in _png_chunks(png) if c[0] != b"IDAT"]
-        ours, theirs = decode_rgb(png), _pil_rgb(png)
-        assert np.array_equal(ours[0], theirs[0]) and ours[1] == theirs[1], name
-        assert np.array_equal(_pil_rgb(stored)[0], theirs[0]), name
-    assert decode_rgb(kinds["text after"])[1]["comment"] == "after"
-
-    idat = next(k for k, (kind, _) in enumerate(chunks) if kind == b"IDAT")
-    bad_crc = bytearray(rgb)
-    bad_crc[8 + sum(12 + len(p) for _, p in chunks[: idat + 1]) - 1] ^= 1  # the first IDAT chunk's CRC
-    flipped = bytearray(chunks[idat][1])
-    flipped[len(flipped) // 2] ^= 0x55  # inside the deflate stream, CRC recomputed: inflate or checksum fails
-    bad_data = _png_file([*chunks[:idat], [b"IDAT", bytes(flipped)], *chunks[idat + 1 :]])
-    short = _png_file([*chunks[:idat], [b"IDAT", zlib.compress(zlib.decompress(data)[:-7])], *chunks[idat + 1 :]])
-    interlaced = rgb[:28] + b"\x01" + rgb[29:]
-    for name, png in {"crc": bytes(bad_crc), "data": bad_data, "short": short, "interlaced": interlaced}.items():
-        assert stored_png(png) is None, name
-        try:
-            expected = _pil_rgb(png)
-        except Exception as error:  # PIL rejects it: so does decode_rgb
-            with pytest.raises(type(error)):
-                decode_rgb(png)
-        else:
-            assert np.array_equal(decode_rgb(png)[0], expected[0]), name
-    assert struct.unpack_from(">I", stored_png(rgb), 8)[0] == 13  # IHDR first, untouched
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
     """nvJPEG (torchvision on cuda) against PIL's libjpeg-turbo (a different IDCT and chroma upsampling): the grids
     and ids equal, the pixels close. Measured on an H200 (torch 2.11, torchvision 0.26, 2026-11-26): 7 of the JPEGs
@@ -297,7 +158,7 @@ def test_cuda_jpeg_decode_is_close_to_pil(ray_session, geo3k_files, model_dir):
             assert (x["pixel_values"] - y["pixel_values"]).abs().mean() < 0.1  # ~7 levels / std
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("device_resize", ["torch", "triton"])
 def test_cuda_vision_matches_cpu_within_tolerance(ray_session, geo3k_files, model_dir, device_resize):
     from ingest.media.pixels import ImagePixels
@@ -321,98 +182,7 @@ def test_cuda_vision_matches_cpu_within_tolerance(ray_session, geo3k_files, mode
     assert differing / total < 0.01
 
 
-# --- the vision pool's pixel ops ------------------------------------------------------------------------------------
-
-
-def _sample_rgbs() -> list[np.ndarray]:
-    import random
-
-    rng = random.Random(3)
-    images = [make_image(kind, rng)[0].convert("RGB") for kind in IMAGE_KINDS for _ in range(2)]
-    big = np.asarray(make_image("png", rng)[0].convert("RGB").resize((1400, 1100)))  # over the pixel budget
-    return [np.asarray(image) for image in images] + [big]
-
-
-def test_pixel_ops_equal_transformers_image_processor(model_dir):
-    """``ImagePixels`` (torch ops, no transformers) gives transformers' Qwen2-VL processor output bit for bit."""
-    from transformers import AutoImageProcessor
-
-    from ingest.media.pixels import ImagePixels
-
-    pixels = ImagePixels.from_dir(model_dir)
-    assert pixels is not None
-    rgbs = _sample_rgbs()
-    ours, grids = pixels(rgbs)
-    theirs = AutoImageProcessor.from_pretrained(model_dir)(
-        images=[torch.from_numpy(rgb.copy()).permute(2, 0, 1) for rgb in rgbs], return_tensors="pt"
-    )
-    assert np.array_equal(grids, theirs["image_grid_thw"].numpy())
-    assert np.array_equal(ours, theirs["pixel_values"].numpy())
-
-
-def test_compiled_resize_equals_torchs_uint8_kernel(model_dir):
-    """``ingest.media._resize`` (the CPU path's resize without torch) gives torch's uint8 antialiased bicubic
-    kernel and the
-    processor's patch order to the bit: noise, flat colours and sharp edges, shrunk and enlarged, one side only or
-    neither, one-pixel and thin images."""
-    from ingest.media import pixels as pixel_ops
-
-    assert pixel_ops._resize is not None, "ingest.media._resize was not built: pip install needs a C compiler"
-    pixels = pixel_ops.ImagePixels.from_dir(model_dir)
-    rng = np.random.default_rng(5)
-    shapes = [(1, 1), (28, 28), (56, 84), (3, 500), (500, 3), (2000, 900), (1100, 1400), (28, 901), (4000, 30)]
-    shapes += [(int(rng.integers(7, 1300)), int(rng.integers(7, 1300))) for _ in range(40)]
-    for k, (h, w) in enumerate(shapes):
-        if k % 3 == 0:
-            image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-        elif k % 3 == 1:
-            image = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (h, w, 3)).copy()
-        else:
-            y, x = np.mgrid[0:h, 0:w]
-            image = np.stack([x * 7 % 256, y * 3 % 256, (x // 9 + y // 9) % 2 * 255], -1).astype(np.uint8)
-        ours, grids = pixels.patches([image])
-        assert isinstance(ours, np.ndarray)
-        theirs, their_grids = pixels.patches([torch.from_numpy(image).permute(2, 0, 1)])  # a tensor: torch's kernel
-        assert np.array_equal(grids, their_grids)
-        assert np.array_equal(ours, theirs.numpy()), (h, w)
-
-
-def test_compiled_normalize_equals_the_numpy_path(model_dir, monkeypatch):
-    """The consumer's uint8 patches -> float32 ``pixel_values`` in C (a per-channel table of the numpy path's float32
-    ops) is bit-equal to the numpy path: every byte value, one and two frames, no patches at all."""
-    from ingest.media import pixels as pixel_ops
-
-    assert pixel_ops._resize is not None, "ingest.media._resize was not built: pip install needs a C compiler"
-    mean, std = pixel_ops.ImagePixels.from_dir(model_dir).norm
-    every_value = np.arange(4 * 3 * 16 * 16).reshape(4, 3, 16, 16) % 256  # each channel's plane: 0..255
-    noise = np.random.default_rng(3).integers(0, 256, (301, 3, 14, 14))
-    for values in (every_value, noise, np.zeros((0, 3, 14, 14))):
-        values = values.astype(np.uint8)
-        for frames in (1, 2):
-            compiled = pixel_ops.normalize_patches(values, mean, std, frames).clone()
-            with monkeypatch.context() as patch:
-                patch.setattr(pixel_ops, "_resize", None)
-                plain = pixel_ops.normalize_patches(values, mean, std, frames)
-            assert compiled.shape == plain.shape == (len(values), frames * 3 * values.shape[-1] ** 2)
-            assert torch.equal(compiled.view(torch.int32), plain.view(torch.int32)), (values.shape, frames)
-
-
-def test_cpu_path_without_the_compiled_resize_gives_the_same_patches(model_dir, monkeypatch):
-    """Where ``ingest.media._resize`` was not built (no C compiler at install), the CPU path runs torch's kernel:
-    the same
-    patches, and the vision stage's records are byte-equal."""
-    from ingest.media import pixels as pixel_ops
-    from ingest.stages.vision import VisionStage
-
-    rgbs = _sample_rgbs()
-    stage = VisionStage(model_dir, DataConfig(vision_device="cpu"))
-    grids = [[list(g)] for g in stage.pixels.patches(rgbs)[1].tolist()]
-    compiled = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
-    monkeypatch.setattr(pixel_ops, "_resize", None)
-    patches, _ = stage.pixels.patches(rgbs)
-    assert isinstance(patches, torch.Tensor)
-    fallback = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
-    assert fallback == compiled
+# --- the vision pool ------------------------------------------------------------------------------------------------
 
 
 def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
@@ -444,53 +214,6 @@ def test_cpu_vision_actor_runs_without_importing_torch(ray_session, model_dir):
         ray.kill(probe)
 
 
-def test_vision_stage_blocks_carry_uint8_patches_that_the_collate_finishes(model_dir):
-    """The vision stage's ``pixel_values`` records hold uint8 patches (an eighth of the float32 bytes); the collate
-    turns them into exactly the processor's float32 values, per row, on the requested device."""
-    from ingest.media.pixels import ImagePixels
-    from ingest.rowformat.collate import _media_inputs
-    from ingest.stages.vision import VisionStage
-
-    pixels = ImagePixels.from_dir(model_dir)
-    rgbs = _sample_rgbs()
-    expected, grids = pixels(rgbs)
-    rows = [rgbs[:2], None, rgbs[2:]]
-    stage = VisionStage(model_dir, DataConfig(vision_device="cpu"))
-    per_row = [grids[:2].tolist(), [], grids[2:].tolist()]
-    values, image_grids = stage._image_inputs(rows, pa.chunked_array([per_row]))
-    record = values[0].as_py()
-    assert record["dtype"] == "|u1" and record["shape"][1:] == [3, 14, 14] and record["temporal_patch_size"] == 2
-    assert sum(len(values[i].as_py()["data"]) for i in (0, 2)) * 8 == expected.nbytes
-    column = pa.chunked_array(
-        [pa.StructArray.from_arrays([values, image_grids], names=["pixel_values", "image_grid_thw"])]
-    )
-    for device in (None, "meta"):
-        collated = _media_inputs(column, device)
-        assert collated[1] == {}
-        if device == "meta":
-            assert {t.device.type for row in (0, 2) for t in collated[row].values()} == {"meta"}
-            continue
-        assert all(t.dtype == torch.float32 for t in (collated[0]["pixel_values"], collated[2]["pixel_values"]))
-        together = torch.cat([collated[0]["pixel_values"], collated[2]["pixel_values"]]).numpy()
-        assert np.array_equal(together, expected)
-        assert np.array_equal(np.concatenate([collated[0]["image_grid_thw"], collated[2]["image_grid_thw"]]), grids)
-
-
-def test_vision_stage_holds_torch_threads_to_the_actors_cpu_share(model_dir, monkeypatch):
-    """Ray gives a 0.5-CPU actor ``OMP_NUM_THREADS=1``; torch imported before that (a worker that preloads torch)
-    keeps a pool over every core unless the stage applies it."""
-    from ingest.stages.vision import VisionStage
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        VisionStage(model_dir, DataConfig(vision_device="cpu"))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_files, model_dir):
     """Decode and vision take whole blocks, so each output block is one Arrow chunk per column: slicing it into
     trainer batches (or the next stage's batches) copies no pixels. With per-call batches smaller than a block, Ray
@@ -500,92 +223,6 @@ def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_fil
     assert sum(b.num_rows for b in blocks) > 0 and max(b.num_rows for b in blocks) > 4  # blocks span several calls
     for block in blocks:
         assert {block.column(name).num_chunks for name in ("multi_modal_data", "multi_modal_inputs")} == {1}
-
-
-def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
-    """The GPU path's code (float resize passes) run on the CPU: grids equal, pixels within two uint8 levels."""
-    from ingest.media.pixels import ImagePixels
-
-    pixels = ImagePixels.from_dir(model_dir)
-    rgbs = _sample_rgbs()
-    cpu, cpu_grids = pixels(rgbs)
-    device_path, device_grids = pixels(rgbs, "cpu", native_uint8=False)
-    assert np.array_equal(cpu_grids, device_grids)
-    difference = np.abs(cpu - device_path)
-    assert difference.max() <= pixels.device_tolerance()
-    assert (difference > 1e-4).mean() < 0.01  # off only where a value sits near a rounding edge
-
-
-def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
-    """Images that view one buffer become views of one uploaded tensor (one transfer per batch); others, and
-    tensors already on the device, go as they are. A decoded block's images are such views."""
-    from ingest.blocks import rgb_arrays
-    from ingest.devtools.vision_bench import decoded_blocks
-    from ingest.media.pixels import _shared_span, device_images
-
-    rgbs = _sample_rgbs()
-    buffer = np.concatenate([rgb.reshape(-1) for rgb in rgbs])
-    ends = np.cumsum([rgb.size for rgb in rgbs])
-    views = [buffer[end - rgb.size : end].reshape(rgb.shape) for rgb, end in zip(rgbs, ends, strict=True)]
-    on_device = torch.zeros((3, 5, 7), dtype=torch.uint8)
-    uploaded = device_images([*views, on_device], "cpu", one_copy=True)
-    assert uploaded[-1] is on_device
-    for tensor, rgb in zip(uploaded, rgbs, strict=False):
-        assert torch.equal(tensor, torch.from_numpy(rgb).permute(2, 0, 1))
-    assert len({t.untyped_storage().data_ptr() for t in uploaded[:-1]}) == 1  # views of one tensor
-    separate = device_images([rgb.copy() for rgb in rgbs], "cpu", one_copy=True)
-    assert len({t.untyped_storage().data_ptr() for t in separate}) == len(rgbs)
-    far_apart = [buffer[:12].reshape(2, 2, 3), buffer[-12:].reshape(2, 2, 3)]
-    assert _shared_span(far_apart) is None  # the span would be mostly other bytes: each goes on its own
-    block = decoded_blocks(geo3k_files, model_dir)[0]
-    assert _shared_span([im for row in rgb_arrays(block.column("multi_modal_data")) if row for im in row])
-
-
-def test_device_patches_come_back_into_reused_host_buffers(model_dir):
-    """A device's patches land in a ``DEVICE_PATCHES`` buffer, page-locked where CUDA is (one DMA back), reused
-    once the block is gone; ``pinned_or_pageable`` gives ordinary memory without CUDA. The copy-back itself runs
-    with a device: ``test_cuda_vision_matches_cpu_within_tolerance`` and ``tests/gpu``."""
-    from ingest.media.pixels import DEVICE_PATCHES, ImagePixels, host_array
-    from ingest.memory import pinned_or_pageable
-
-    array = pinned_or_pageable(1000)
-    assert array.dtype == np.uint8 and array.shape == (1000,)
-    assert torch.from_numpy(array).is_pinned() == torch.cuda.is_available()
-    if not torch.cuda.is_available():
-        return
-    pixels = ImagePixels.from_dir(model_dir)
-    patches, _ = pixels.patches(_sample_rgbs(), "cuda")
-    host = host_array(patches)
-    assert torch.equal(torch.from_numpy(host), patches.cpu()) and torch.from_numpy(host).is_pinned()
-    address = host.ctypes.data
-    assert any(b.ctypes.data == address for b in DEVICE_PATCHES._buffers)
-    assert host_array(patches).ctypes.data != address  # still held: not handed out again
-    del host
-    assert host_array(patches).ctypes.data == address
-
-
-def test_other_image_processors_go_through_transformers(model_dir, tmp_path):
-    import json
-    import shutil
-
-    from transformers import AutoImageProcessor
-
-    from ingest.media.pixels import ImagePixels
-    from ingest.stages.vision import VisionStage
-
-    model = tmp_path / "model"
-    shutil.copytree(model_dir, model)
-    config = json.loads((model / "preprocessor_config.json").read_text())
-    (model / "preprocessor_config.json").write_text(json.dumps({**config, "do_normalize": False}))
-    assert ImagePixels.from_dir(model) is None
-    stage = VisionStage(str(model), DataConfig(vision_device="cpu"))
-    rgbs = _sample_rgbs()[:3]
-    values, grids = stage.pixel_values(rgbs)
-    assert stage.pixels is None
-    theirs = AutoImageProcessor.from_pretrained(str(model))(
-        images=[torch.from_numpy(rgb.copy()).permute(2, 0, 1) for rgb in rgbs], return_tensors="pt"
-    )
-    assert np.array_equal(values, theirs["pixel_values"].numpy()) and np.array_equal(grids, theirs["image_grid_thw"])
 
 
 # --- bad media -----------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 from ingest import BadRowError, build_dataset
 from ingest.devtools.oracle import oracle_available, run_verl
 from ingest.errors import find_ingest_error
-from tests.conftest import collect
-from tests.helpers import assert_same_batches
+from tests.support.batches import collect
+from tests.support.compare import assert_same_batches
 
 pytestmark = pytest.mark.skipif(not oracle_available(), reason="verl 0.5.0 oracle not installed (make oracle)")
 

@@ -78,7 +78,7 @@ def test_state_refuses_other_data(ray_session, variety_files, model_dir, full_ep
 
 
 def test_killed_consumer_resumes_without_loss_or_repeats(ray_session, variety_files, model_dir, full_epoch, tmp_path):
-    worker = Path(__file__).with_name("resume_worker.py")
+    worker = Path(__file__).parent / "support" / "resume_worker.py"
     spec = {
         "files": variety_files,
         "tokenizer": model_dir,

@@ -20,8 +20,8 @@ from ingest.config import DataConfig
 from ingest.errors import StoreError, find_ingest_error, redact, secret_values
 from ingest.read.files import filesystem_for, inspect_files
 from ingest.run import open_inside, run_pipeline, write_summary_json
-from tests.conftest import collect
-from tests.helpers import moto_s3
+from tests.support.batches import collect
+from tests.support.s3 import moto_s3
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-SECRET"
 TOKEN = "FwoGZXIvYXdzEJr-SESSION-TOKEN-0123456789"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import json
 import random
 import shutil
 
@@ -34,9 +33,19 @@ from ingest.sft import (
     shift_and_truncate,
 )
 from ingest.tokenizer.chat import ChatTokenizer
-
-IM_START, IM_END, NEWLINE, ASSISTANT = 151644, 151645, 198, 77091
-IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+from tests.support.conversations import (
+    IM_END,
+    IMAGE_PAD,
+    TOOLS,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    encoded_image,
+    expected_chatml_mask,
+    hf_chat_ids,
+    random_conversations,
+    random_text,
+)
 
 # The published Qwen2.5-Instruct template (tools in the system turn, tool responses merged into one user turn).
 QWEN25_TEMPLATE = r"""{%- if tools %}
@@ -191,108 +200,6 @@ HEADER_TEMPLATE = (
 # Not ChatML and no stop token after the assistant: ensure_final_stop appends one.
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city, in °C",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
-        },
-    },
-]
-
-PIECES = [
-    "Hello",
-    "What is 12 * 7?",
-    "  leading spaces",
-    "trailing spaces   ",
-    "\nleading newline",
-    "\n\nTwo leading newlines",
-    "ends with newline\n",
-    "tabs\tand\ttabs",
-    "naïve café — “quotes”",
-    "日本語のテキスト",
-    "emoji 😀🎉 mixed",
-    "Ελληνικά και русский",
-    "code: `def f(x):\n    return x**2`",
-    "#### 84",
-    "1234567890",
-    "<think>\nreasoning here\n</think>\n\nThe answer.",
-    "<tool_call>not really</tool_call>",
-    "",
-    " ",
-    "a\r\nwindows\r\nlines",
-    "math $\\frac{a}{b}$",
-]
-
-
-def _text(rng: random.Random) -> str:
-    return "".join(rng.choice(PIECES) + rng.choice(["", " ", "\n", ". "]) for _ in range(rng.randint(1, 4)))
-
-
-def _conversation(rng: random.Random, *, tools: bool) -> list[dict]:
-    messages: list[dict] = []
-    if rng.random() < 0.5:
-        messages.append({"role": "system", "content": _text(rng)})
-    for _ in range(rng.randint(1, 4)):
-        messages.append({"role": "user", "content": _text(rng)})
-        if tools and rng.random() < 0.5:
-            calls = [
-                {
-                    "type": "function",
-                    "id": f"call_{rng.randint(0, 10**6)}",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": {"city": rng.choice(["Paris", "東京"]), "days": 2},
-                    },
-                }
-                for _ in range(rng.randint(1, 3))
-            ]
-            messages.append(
-                {"role": "assistant", "content": rng.choice(["", "Let me check.", _text(rng)]), "tool_calls": calls}
-            )
-            for call in calls:
-                messages.append(
-                    {"role": "tool", "content": json.dumps({"temp": rng.randint(-10, 35)}), "tool_call_id": call["id"]}
-                )
-        messages.append({"role": "assistant", "content": _text(rng)})
-    return messages
-
-
-def _conversations(seed: int, n: int, *, tools: bool) -> list[dict]:
-    rng = random.Random(seed)
-    return [_conversation(rng, tools=tools) for _ in range(n)]
-
-
-def _hf_ids(hf_tokenizer, messages, tools=None) -> list[int]:
-    out = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=False)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def _expected_chatml_mask(ids: list[int]) -> list[bool]:
-    """Id-level oracle: after each ``<|im_start|>assistant`` (+ its newline token when that token is a lone "\\n"),
-    everything up to and including the next ``<|im_end|>``."""
-    mask = [False] * len(ids)
-    for p in range(len(ids) - 1):
-        if ids[p] == IM_START and ids[p + 1] == ASSISTANT:
-            h = p + 3 if ids[p + 2] == NEWLINE else p + 2
-            e = ids.index(IM_END, h)
-            mask[h : e + 1] = [True] * (e + 1 - h)
-    return mask
-
 
 def _template_dir(tmp_path_factory, model_dir: str, name: str, template: str) -> str:
     out = tmp_path_factory.mktemp(name)
@@ -388,12 +295,12 @@ def test_chatml_ids_and_mask_over_generated_conversations(renderers, hf, name):
     renderer, tokenizer = renderers[name], hf[name]
     with_tools = name != "qwen2-vl"  # Qwen2-VL's template ignores tools / tool_calls (still compared below)
     checked_tools = 0
-    for seed, messages in enumerate(_conversations(7 + len(name), 120, tools=True)):
+    for seed, messages in enumerate(random_conversations(7 + len(name), 120, tools=True)):
         tools = TOOLS if with_tools and seed % 3 else None
         sample = build_training_sample(renderer, messages, tools=tools)
-        expected = _hf_ids(tokenizer, messages, tools)
+        expected = hf_chat_ids(tokenizer, messages, tools)
         assert sample.token_ids == expected, (name, seed)
-        assert sample.loss_mask == _expected_chatml_mask(expected), (name, seed)
+        assert sample.loss_mask == expected_chatml_mask(expected), (name, seed)
         assert sample.multi_modal_data is None and sample.mm_token_type_ids is None
         checked_tools += any(m["role"] == "tool" for m in messages) and (tools is not None or not with_tools)
     assert checked_tools > 20
@@ -401,7 +308,7 @@ def test_chatml_ids_and_mask_over_generated_conversations(renderers, hf, name):
 
 def test_qwen2vl_tags_per_message(renderers, hf):
     renderer, tokenizer = renderers["qwen2-vl"], hf["qwen2-vl"]
-    for messages in _conversations(3, 60, tools=False):
+    for messages in random_conversations(3, 60, tools=False):
         rendered = renderer.render(messages)
         ids, idx = rendered.token_ids, rendered.message_indices
         if messages[0]["role"] != "system":
@@ -444,7 +351,7 @@ def test_tool_turns_qwen25(renderers, hf):
         {"role": "assistant", "content": "Paris 21 °C, Tokyo 25 °C."},
     ]
     rendered = renderer.render(messages, tools=TOOLS)
-    assert rendered.token_ids == _hf_ids(hf["qwen2.5"], messages, TOOLS)
+    assert rendered.token_ids == hf_chat_ids(hf["qwen2.5"], messages, TOOLS)
     decode = hf["qwen2.5"].decode
     ids, idx = rendered.token_ids, rendered.message_indices
     system = decode([t for t, j in zip(ids, idx, strict=True) if j == -1])
@@ -468,7 +375,7 @@ def test_qwen3_drops_past_thinking_and_tags_still_follow_turns(renderers, hf):
         {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n4"},
     ]
     sample = build_training_sample(renderers["qwen3"], messages)
-    assert sample.token_ids == _hf_ids(hf["qwen3"], messages)
+    assert sample.token_ids == hf_chat_ids(hf["qwen3"], messages)
     trained = hf["qwen3"].decode([t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m])
     assert trained == "2<|im_end|><think>\nadd again\n</think>\n\n4<|im_end|>"
 
@@ -498,8 +405,8 @@ def test_unicode_and_special_strings_round_trip(renderers, hf):
         {"role": "assistant", "content": ""},
     ]
     sample = build_training_sample(renderers["qwen2-vl"], messages)
-    assert sample.token_ids == _hf_ids(hf["qwen2-vl"], messages)
-    assert sample.loss_mask == _expected_chatml_mask(sample.token_ids)
+    assert sample.token_ids == hf_chat_ids(hf["qwen2-vl"], messages)
+    assert sample.loss_mask == expected_chatml_mask(sample.token_ids)
 
 
 def test_chatml_rejects_what_it_cannot_align(renderers):
@@ -523,9 +430,9 @@ def test_fallback_requires_role_to_mask(renderers):
 @pytest.mark.parametrize("name", ["header", "plain"])
 def test_fallback_ids_and_message_attribution(renderers, hf, name):
     renderer, tokenizer = renderers[name], hf[name]
-    for seed, messages in enumerate(_conversations(11, 60, tools=False)):
+    for seed, messages in enumerate(random_conversations(11, 60, tools=False)):
         sample = build_training_sample(renderer, messages, role_to_mask=lambda m: m["role"] == "assistant")
-        assert sample.token_ids == _hf_ids(tokenizer, messages), seed
+        assert sample.token_ids == hf_chat_ids(tokenizer, messages), seed
         rendered = renderer.render(messages)
         assert rendered.sampled is None and rendered.content is None
         idx = rendered.message_indices
@@ -541,7 +448,7 @@ def test_fallback_ids_and_message_attribution(renderers, hf, name):
 
 def test_fallback_on_a_chatml_template_matches_prefix_rendering(model_dir, renderers, hf):
     fallback = create_renderer(model_dir, kind="template")
-    for messages in _conversations(5, 30, tools=False):
+    for messages in random_conversations(5, 30, tools=False):
         rendered = fallback.render(messages)
         chatml = renderers["qwen2-vl"].render(messages)
         assert rendered.token_ids == chatml.token_ids
@@ -569,13 +476,6 @@ def test_ensure_final_stop(renderers, hf):
 # --- images and videos ------------------------------------------------------------------------------------------------
 
 
-def _image(rng: random.Random, kind: str):
-    from ingest.devtools.samples import encode_image, make_image
-
-    image, fmt = make_image(kind, rng)
-    return encode_image(image, fmt)
-
-
 def _mm_conversation(rng: random.Random) -> tuple[list[dict], list[bytes]]:
     kinds = ["png", "jpeg", "gray", "palette", "rgba", "tiny", "wide", "tall"]
     encoded: list[bytes] = []
@@ -585,15 +485,15 @@ def _mm_conversation(rng: random.Random) -> tuple[list[dict], list[bytes]]:
     for _ in range(rng.randint(1, 3)):
         parts = []
         for _ in range(rng.randint(0, 2)):
-            data = _image(rng, rng.choice(kinds))
+            data = encoded_image(rng, rng.choice(kinds))
             parts.append({"type": "image", "image": data})
             if rng.random() < 0.7:
-                parts.append({"type": "text", "text": _text(rng)})
-        parts.append({"type": "text", "text": _text(rng)})
+                parts.append({"type": "text", "text": random_text(rng)})
+        parts.append({"type": "text", "text": random_text(rng)})
         rng.shuffle(parts)
         encoded += [p["image"] for p in parts if p["type"] == "image"]
         messages.append({"role": "user", "content": parts})
-        messages.append({"role": "assistant", "content": _text(rng)})
+        messages.append({"role": "assistant", "content": random_text(rng)})
     return messages, encoded
 
 
@@ -623,7 +523,7 @@ def test_images_match_the_processor(vl_renderer, processor):
             _as_pil_rgb(messages), tokenize=True, return_dict=True, add_generation_prompt=False, return_tensors="np"
         )
         assert sample.token_ids == expected["input_ids"][0].tolist(), seed
-        assert sample.loss_mask == _expected_chatml_mask(sample.token_ids)
+        assert sample.loss_mask == expected_chatml_mask(sample.token_ids)
         if not encoded:
             assert sample.multi_modal_data is None and sample.mm_token_type_ids is None
             continue
@@ -651,7 +551,7 @@ def test_image_value_kinds_and_side_list(vl_renderer, model_dir):
     from PIL import Image
 
     rng = random.Random(1)
-    data = _image(rng, "png")
+    data = encoded_image(rng, "png")
     pil = Image.open(io.BytesIO(data)).convert("RGB")
     base = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
     answer = [{"role": "assistant", "content": "A figure."}]
@@ -688,7 +588,7 @@ def test_image_value_kinds_and_side_list(vl_renderer, model_dir):
 
 
 def test_media_errors(vl_renderer, renderers):
-    data = _image(random.Random(2), "png")
+    data = encoded_image(random.Random(2), "png")
     answer = [{"role": "assistant", "content": "ok"}]
     with pytest.raises(SFTRenderError, match="more image parts"):
         build_training_sample(vl_renderer, [{"role": "user", "content": [{"type": "image"}]}] + answer)
@@ -717,7 +617,7 @@ def test_videos_and_images_match_the_processor(vl_renderer, processor):
     rng = np.random.default_rng(3)
     frames = rng.integers(0, 256, (4, 90, 120, 3), dtype=np.uint8)
     odd = rng.integers(0, 256, (3, 64, 64, 3), dtype=np.uint8)  # odd frame count: padded to the temporal patch
-    image = _image(random.Random(4), "jpeg")
+    image = encoded_image(random.Random(4), "jpeg")
     messages = [
         {"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "and"}]},
         {"role": "assistant", "content": "A clip."},
@@ -827,7 +727,7 @@ def test_truncation_never_splits_a_placeholder_run(max_length, cut, kept):
 
 def test_truncating_a_real_sample_keeps_runs_whole(vl_renderer):
     rng = random.Random(9)
-    data = [_image(rng, "png") for _ in range(2)]
+    data = [encoded_image(rng, "png") for _ in range(2)]
     messages = [
         {"role": "user", "content": [{"type": "image", "image": data[0]}, {"type": "text", "text": "one"}]},
         {"role": "assistant", "content": "first"},

@@ -27,7 +27,15 @@ from ingest.sft import (
     shift_and_truncate,
 )
 from ingest.stats import RunLedger
-from tests.test_sft import IM_END, IMAGE_PAD, _conversations, _expected_chatml_mask, _hf_ids, _image, _text
+from tests.support.conversations import (
+    IM_END,
+    IMAGE_PAD,
+    encoded_image,
+    expected_chatml_mask,
+    hf_chat_ids,
+    random_conversations,
+    random_text,
+)
 
 BASE = {"shuffle": False}
 
@@ -74,7 +82,7 @@ def hf_tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def text_conversations():
-    return _conversations(11, 80, tools=True)  # system / multi-turn / tool calls and responses / unicode
+    return random_conversations(11, 80, tools=True)  # system / multi-turn / tool calls and responses / unicode
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +110,9 @@ def test_text_rows_equal_direct_samples_and_apply_chat_template(
     tools_seen = 0
     for row, messages in zip(rows, text_conversations, strict=True):
         _assert_row_equals(row, _direct(text_renderer, messages))
-        ids = _hf_ids(hf_tokenizer, messages)  # apply_chat_template(tokenize=True, add_generation_prompt=False)
+        ids = hf_chat_ids(hf_tokenizer, messages)  # apply_chat_template(tokenize=True, add_generation_prompt=False)
         assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
-        assert row["loss_mask"] == _expected_chatml_mask(ids)[1:]
+        assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
         assert row["seq_lens"] == [len(ids) - 1]
         # (the mask oracle: after each <|im_start|>assistant\n header, up to and including its <|im_end|>)
         trained = [t for t, m in zip(row["target_ids"], row["loss_mask"], strict=True) if m]
@@ -118,10 +126,12 @@ def test_text_rows_equal_direct_samples_and_apply_chat_template(
 
 
 def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, text_renderer):
-    conversations = _conversations(5, 12, tools=False)
+    conversations = random_conversations(5, 12, tools=False)
     split = [max(i for i, m in enumerate(c) if m["role"] == "user") for c in conversations]  # prompt: up to last user
     lists = [{"prompt": c[: k + 1], "completion": c[k + 1 :]} for c, k in zip(conversations, split, strict=True)]
-    strings = [{"prompt": f"Question {i}: {_text(random.Random(i))}", "completion": f"Answer {i}."} for i in range(5)]
+    strings = [
+        {"prompt": f"Question {i}: {random_text(random.Random(i))}", "completion": f"Answer {i}."} for i in range(5)
+    ]
     as_json = [{"messages": json.dumps(c, ensure_ascii=False)} for c in conversations]
     files = [_write(tmp_path / "lists.parquet", lists), _write(tmp_path / "strings.parquet", strings)]
     json_file = _write(tmp_path / "json.parquet", as_json)
@@ -221,7 +231,7 @@ def _bad_rows(image: bytes) -> tuple[list[dict], dict[int, str]]:
 
 
 def test_bad_conversations_quarantine_strict_and_counts(ray_session, model_dir, tmp_path):
-    rows, bad = _bad_rows(_image(random.Random(3), "png"))
+    rows, bad = _bad_rows(encoded_image(random.Random(3), "png"))
     path = _write(tmp_path / "bad.parquet", rows)
     ledger = RunLedger.remote()
     out = _rows(build_sft_dataset(path, model_dir, BASE, ledger=ledger))
@@ -248,7 +258,7 @@ def test_bad_conversations_quarantine_strict_and_counts(ray_session, model_dir, 
 def test_cut_image_files_are_quarantined_before_the_vision_actor(ray_session, model_dir, tmp_path):
     """Images whose header reads but whose file is cut short (a PNG, a JPEG) are bad rows of the render stage: the
     SFT vision actor decodes them with no per-row quarantine, and a half-read file used to crash the run there."""
-    png, jpeg = _image(random.Random(1), "png"), _image(random.Random(2), "jpeg")
+    png, jpeg = encoded_image(random.Random(1), "png"), encoded_image(random.Random(2), "jpeg")
     images = [png, png[: len(png) // 2], jpeg[: len(jpeg) - 400], jpeg]
     rows = [
         {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
@@ -274,7 +284,7 @@ def test_image_that_fails_to_decode_in_the_vision_actor_names_its_sample(ray_ses
     """A JPEG complete to its end marker (it passes the render stage's check) whose data do not decode (a stray
     start-of-image marker mid-scan) fails in the SFT vision actor, in a packed row with other samples: one
     ``BadRowError`` naming the sample's file and row, in both policies (it used to be a bare error from the actor)."""
-    jpeg = _image(random.Random(2), "jpeg")
+    jpeg = encoded_image(random.Random(2), "jpeg")
     broken = jpeg[: len(jpeg) // 2] + b"\xff\xd8\x00\x04\x00\x00" + jpeg[len(jpeg) // 2 :]
     rows = [
         {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
@@ -303,16 +313,16 @@ def _mm_rows(seed: int, n: int) -> tuple[list[dict], list[tuple[list[dict], list
         for _ in range(rng.randint(1, 2)):
             parts = []
             for _ in range(rng.randint(0, 2)):
-                data = _image(rng, rng.choice(kinds))
+                data = encoded_image(rng, rng.choice(kinds))
                 if rng.random() < 0.5:
                     parts.append({"type": "image", "image": data})
                 else:
                     parts.append({"type": "image"})
                     column.append(data)
-            parts.append({"type": "text", "text": _text(rng)})
+            parts.append({"type": "text", "text": random_text(rng)})
             rng.shuffle(parts)
             messages.append({"role": "user", "content": parts})
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": _text(rng)}]})
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": random_text(rng)}]})
         images = [{"bytes": b, "path": None} for b in column] if column or i % 2 else None
         rows.append({"messages": messages, "images": images})
         sources.append((messages, column))
@@ -358,7 +368,8 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
     rows, sources = _mm_rows(1, 10)
     geo = [  # verl / geo3k layout: <image> markers in string content, HF Image() structs, a completion string
         {"prompt": [{"role": "user", "content": f"<image>Find x in figure {i}.{'<image>' * (i % 2)}"}],
-         "completion": f"x = {i}.", "images": [{"bytes": _image(random.Random(i), "jpeg"), "path": None}] * (1 + i % 2)}
+         "completion": f"x = {i}.",
+         "images": [{"bytes": encoded_image(random.Random(i), "jpeg"), "path": None}] * (1 + i % 2)}
         for i in range(4)
     ]  # fmt: skip
     files = [_write(tmp_path / "mm.parquet", rows, row_group_size=4), _write(tmp_path / "geo.parquet", geo)]
@@ -381,7 +392,7 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
         )
         ids = expected["input_ids"][0].tolist()
         assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
-        assert row["loss_mask"] == _expected_chatml_mask(ids)[1:]
+        assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
         if seq.multi_modal_data:
             assert row["mm_token_type_ids"] == expected["mm_token_type_ids"][0].tolist()[:-1]
             images_seen += len(seq.multi_modal_data["image"].items)
@@ -403,7 +414,7 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
 
 def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_dir, tmp_path, vl_renderer):
     rng = random.Random(9)
-    images = [_image(rng, "png"), _image(rng, "jpeg")]
+    images = [encoded_image(rng, "png"), encoded_image(rng, "jpeg")]
     parts = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"}]
     messages = [
         {"role": "user", "content": parts + [{"type": "image"}]},
@@ -448,7 +459,7 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
     assert batch["mm_token_type_ids"][0].tolist() == row["mm_token_type_ids"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_vision_pool_matches_the_cpu_pool(ray_session, model_dir, tmp_path):
     """SFT's vision pool on a GPU actor: every field as on the CPU pool, pixel values within the device tolerance."""
     from ingest.media.pixels import ImagePixels

@@ -1,4 +1,5 @@
-"""Input resolution and remote stores: a real S3 endpoint (moto server), a WebHDFS endpoint, HDFS when configured."""
+"""Remote stores through the pipeline: a real S3 endpoint (moto server), a WebHDFS endpoint, HDFS when configured.
+Local input resolution is tests/read/test_files.py."""
 
 from __future__ import annotations
 
@@ -9,24 +10,12 @@ import pytest
 
 from ingest import SourceError, build_dataset
 from ingest.read.files import expand_files, filesystem_for
-from tests.conftest import collect
-from tests.helpers import assert_same_batches, moto_s3
-from tests.webhdfs_server import WebHDFSServer
+from tests.support.batches import collect
+from tests.support.compare import assert_same_batches
+from tests.support.s3 import moto_s3
+from tests.support.webhdfs import WebHDFSServer
 
 CONFIG = {"truncation": "left", "shuffle": False, "return_raw_chat": True}
-
-
-def test_expand_paths_dirs_globs_and_lists(variety_files):
-    folder = os.path.dirname(variety_files[0])
-    assert expand_files(folder) == variety_files
-    assert expand_files(os.path.join(folder, "*.parquet")) == variety_files
-    assert expand_files([variety_files[2], variety_files[0]]) == [variety_files[2], variety_files[0]]
-    with pytest.raises(SourceError, match="no such file"):
-        expand_files(os.path.join(folder, "missing.parquet"))
-    with pytest.raises(SourceError, match="more than once"):
-        expand_files([variety_files[0], folder])
-    with pytest.raises(SourceError, match="glob matched no files"):
-        expand_files(os.path.join(folder, "*.nothing"))
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +59,6 @@ def test_webhdfs_reads_through_fsspec_client(ray_session, model_dir, variety_fil
         assert files == [f"{url}/train-0000{i}.parquet" for i in range(3)]
         assert_same_batches(collect(build_dataset(url, model_dir, CONFIG)), local_batches)
         assert "OPEN" in server.requests and "LISTSTATUS" in server.requests
-
-
-def test_hdfs_without_a_cluster_gives_a_clear_error():
-    # pyarrow's HadoopFileSystem needs a JVM + libhdfs; without them (or a namenode) the error must name the path.
-    with pytest.raises(SourceError) as info:
-        expand_files("hdfs://127.0.0.1:1/user/rl/train.parquet")
-    assert "hdfs://127.0.0.1:1/user/rl/train.parquet" in str(info.value)
 
 
 @pytest.mark.skipif(not os.environ.get("INGEST_TEST_HDFS_URL"), reason="set INGEST_TEST_HDFS_URL=hdfs://host:port/dir")

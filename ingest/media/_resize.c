@@ -6,7 +6,7 @@
  * int16 with the largest precision that keeps the biggest weight below 2^15, then for each output value
  * clamp((2^(precision-1) + sum(pixel * weight)) >> precision, 0, 255); the horizontal pass first into a uint8 image,
  * then the vertical one, each skipped where that side keeps its size. Integer sums are exact in any order, so the
- * result is torch's to the bit (tests/test_parity_multimodal.py checks it against torch on many sizes).
+ * result is torch's to the bit (tests/media/test_pixels.py checks it against torch on many sizes).
  *
  * Why: importing torch costs a CPU vision actor ~1.5 s of CPU at start-up, a quarter of a 1,000-row bench run on two
  * cores (docs/benchmarks.md). ingest/media/pixels.py falls back to torch where this module was not built.

@@ -109,6 +109,11 @@ class VisionStage:
             self.pixels.patches(tiny, self.device, kernel="torch")
 
     @property
+    def image_processor(self):
+        """transformers' image processor for this path (loaded on first use where our kernels serve the images)."""
+        return self.pixel_values.image_processor
+
+    @property
     def video_processor(self):
         if self._video_processor is None:
             from transformers import AutoVideoProcessor

@@ -102,7 +102,7 @@ def qwen2_vl_text_renderer(source: str):
     Jinja's context set-up and sandbox checks per prompt are a large share of a tokenizer actor's time on short prompts
     (docs/design.md). The returned function gives the template's exact text for messages whose role and content are
     strings and returns None for anything else (content lists, other types), which then goes through Jinja.
-    ``tests/test_chat_template.py`` checks it against Jinja on generated chats."""
+    ``tests/tokenizer/test_template.py`` checks it against Jinja on generated chats."""
     from ingest.tokenizer.offline import QWEN2_VL_CHAT_TEMPLATE
 
     if source != QWEN2_VL_CHAT_TEMPLATE:

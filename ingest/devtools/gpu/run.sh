@@ -35,12 +35,16 @@ echo "rc=$?"; grep -v "^\s" "$OUT"/bench_vision.txt | head -8; tail -5 "$OUT"/be
 [ -z "$AB_UPLOAD" ] || { t "upload A/B"; timeout 300 python3 ingest/devtools/gpu/ab_upload.py /tmp/bench/geo3k-1000 2>&1 | grep -v -i "warn\|info" | tail -8; }
 [ -n "$ONLY_BENCH" ] && exit 0
 t "pytest cuda"
-timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_parity_multimodal.py tests/test_feed.py \
-  tests/test_sft_dataset.py tests/test_triton_resize.py -k "${PYTEST_K:-cuda or pixel_ops or one_copy or device_patches}" >"$OUT"/pytest.txt 2>&1
-echo "rc=$?"; tail -25 "$OUT"/pytest.txt
-t "in-process profile"
+# the gpu-marked tests (their files only: the GPU image lacks what other suites import) and the pixel ops' device paths
+timeout ${PYTEST_TIMEOUT:-140} python3 -m pytest -q -p no:cacheprovider -m "${PYTEST_M:-gpu}" tests/test_parity_multimodal.py \
+  tests/test_feed.py tests/test_sft_dataset.py tests/media/test_triton_resize.py tests/media/test_video.py >"$OUT"/pytest.txt 2>&1
+echo "rc=$?"; tail -12 "$OUT"/pytest.txt
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/media/test_pixels.py \
+  -k "${PYTEST_K:-pixel_ops or one_copy or device_patches}" >"$OUT"/pytest_pixels.txt 2>&1
+echo "rc=$?"; tail -5 "$OUT"/pytest_pixels.txt
+[ -n "$SKIP_PROF" ] || { t "in-process profile"
 timeout 90 python3 ingest/devtools/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/prof.txt 2>"$OUT"/prof.err
-echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err
+echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err; }
 [ -n "$SKIP_GPU_CHECK" ] && { t "end"; exit 0; }
 t "gpu parity check"
 timeout 110 python3 ingest/devtools/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1

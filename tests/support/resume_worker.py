@@ -1,4 +1,4 @@
-"""A consuming process for the resume test: ``resume_worker.py SPEC_JSON``.
+"""A consuming process for the resume test: ``python tests/support/resume_worker.py SPEC_JSON``.
 
 Iterates a ``PromptStream`` (from a saved state when the spec names one), appends each batch's ``index`` values and an
 ``input_ids`` checksum to ``out`` and writes ``state_dict()`` to ``state`` after every batch (a trainer's checkpoint),

@@ -1,9 +1,8 @@
-"""The Triton image resize (``vision_device_resize: triton``, ``ingest/media/triton_resize.py``): its patches are
-the CPU
-uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
-CPU tensors), in a subprocess: the variable has to be set before triton is imported. Triton's compiler builds them
-for the GPUs without one; they run compiled where a CUDA device is (``test_cuda_triton_resize_equals_the_cpu_kernel``,
-in ``ingest/devtools/gpu/run.sh``)."""
+"""The Triton image resize (``vision_device_resize: triton``, ``ingest/media/triton_resize.py``): its patches are the
+CPU uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
+CPU tensors), in a subprocess: the variable has to be set before triton is imported. Triton's compiler builds them for
+the GPUs without one; they run compiled where a CUDA device is (``test_cuda_triton_resize_equals_the_cpu_kernel``, in
+``ingest/devtools/gpu/run.sh``)."""
 
 from __future__ import annotations
 
@@ -14,13 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from ingest.config import DataConfig
 from ingest.media.device import resize_kernel
 from ingest.stages.vision import VisionStage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Random images of sizes that keep, shrink and grow each side (28 x 28 keeps both: the identity weights), extreme
 # aspect ratios and a large downscale (many taps); given three ways: views of one buffer (a block's), separate arrays,
@@ -157,7 +155,7 @@ def test_auto_falls_back_to_torch_where_the_triton_kernels_do_not_run(monkeypatc
         VisionStage(model, DataConfig(vision_device="cpu", vision_device_resize="triton"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_triton_resize_equals_the_cpu_kernel():
     """The compiled kernels: the CPU kernel's patches exactly, where the torch device resize is within 2 levels."""
     from ingest.media.pixels import ImagePixels

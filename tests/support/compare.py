@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import torch
 
@@ -37,33 +34,3 @@ def assert_same_batches(ours: list, theirs: list):
     assert len(ours) == len(theirs)
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         assert_same(a, b, f"batch{i}")
-
-
-@contextlib.contextmanager
-def moto_s3():
-    """A real S3 endpoint (moto server) on loopback for the block; yields its URL."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-def write_media_rows(path, rows: list[tuple[str, list]], column: str = "images") -> str:
-    """Parquet of (user prompt, media) rows, the media in ``column``, ``extra_info.index`` numbering them."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.Table.from_pylist(
-        [
-            {"prompt": [{"role": "user", "content": text}], column: media, "extra_info": {"index": i}}
-            for i, (text, media) in enumerate(rows)
-        ]
-    )
-    pq.write_table(table, path)
-    return str(path)

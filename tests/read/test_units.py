@@ -1,0 +1,40 @@
+"""Read units (``ingest/read/units.py``): planning, exact reads of split row groups, the first unit's ramp."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ingest.blocks import FILE_COLUMN, ROW_COLUMN
+from ingest.read.files import inspect_files
+from ingest.read.units import plan_units, read_unit, split_first_unit
+
+
+def test_units_split_a_big_row_group_exactly(tmp_path):
+    table = pa.table({"prompt": [[{"role": "user", "content": str(i)}] for i in range(5000)], "i": range(5000)})
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=5000)
+    pq.write_table(table.slice(0, 900), tmp_path / "small.parquet", row_group_size=300)
+    infos = inspect_files([str(tmp_path / "big.parquet"), str(tmp_path / "small.parquet")])
+    units = plan_units(infos, rows_per_task=1000)
+    assert [u.num_rows for u in units] == [1000] * 5 + [900]
+    schema = infos[0].schema
+    rows = [
+        (t.column(FILE_COLUMN)[k].as_py(), t.column(ROW_COLUMN)[k].as_py(), t.column("i")[k].as_py())
+        for u in units
+        for t in [read_unit(u, infos[u.file_index].path, schema, {}, None)]
+        for k in range(t.num_rows)
+    ]
+    assert [(f, r) for f, r, _ in rows] == [(0, r) for r in range(5000)] + [(1, r) for r in range(900)]
+    assert all(r == i for _, r, i in rows)
+    # two small units cut off the first in read order (the first batch waits for both), the rest read exactly once
+    ramped = split_first_unit(units, 128)
+    assert [u.num_rows for u in ramped] == [128, 128, 744] + [1000] * 4 + [900]
+    rows = [
+        t.column(ROW_COLUMN)[k].as_py()
+        for u in ramped[:3]
+        for t in [read_unit(u, infos[u.file_index].path, schema, {}, None)]
+        for k in range(t.num_rows)
+    ]
+    assert rows == list(range(1000))
+    assert split_first_unit(units, 0) == units and split_first_unit(units, 5000) == units
+    assert [u.num_rows for u in split_first_unit(units, 600)] == [600, 400] + [1000] * 4 + [900]

@@ -1,0 +1,41 @@
+"""Media test data: Parquet rows of media, the sample images the pixel tests run on, the torchcodec skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def write_media_rows(path, rows: list[tuple[str, list]], column: str = "images") -> str:
+    """Parquet of (user prompt, media) rows, the media in ``column``, ``extra_info.index`` numbering them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": [{"role": "user", "content": text}], column: media, "extra_info": {"index": i}}
+            for i, (text, media) in enumerate(rows)
+        ]
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def sample_rgbs() -> list[np.ndarray]:
+    """RGB arrays of every image kind of the parity data (two each) and one over the pixel budget."""
+    import random
+
+    from ingest.devtools.samples import IMAGE_KINDS, make_image
+
+    rng = random.Random(3)
+    images = [make_image(kind, rng)[0].convert("RGB") for kind in IMAGE_KINDS for _ in range(2)]
+    big = np.asarray(make_image("png", rng)[0].convert("RGB").resize((1400, 1100)))  # over the pixel budget
+    return [np.asarray(image) for image in images] + [big]
+
+
+def needs_torchcodec():
+    """Skip where torchcodec's video decoder does not load (``make test`` gives it PyAV's FFmpeg libraries)."""
+    from ingest.media.video import torchcodec_error, torchcodec_loads
+
+    if not torchcodec_loads():
+        pytest.skip(f"torchcodec does not load here ({torchcodec_error()}); `make test` sets LD_LIBRARY_PATH for it")

@@ -1,0 +1,47 @@
+"""``DataConfig`` (``ingest/config.py``): dict, DictConfig and verl's data keys, defaults, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from ingest import DataConfig
+
+
+def test_config_accepts_dict_dictconfig_and_verl_keys():
+    from omegaconf import OmegaConf
+
+    verl_data = OmegaConf.create(
+        {
+            "train_files": "~/data/gsm8k/train.parquet",
+            "prompt_key": "prompt",
+            "max_prompt_length": 512,
+            "max_response_length": 1024,
+            "train_batch_size": 1024,
+            "truncation": "left",
+            "filter_overlong_prompts": True,
+            "return_raw_chat": "${data.flag}" if False else True,
+            "custom_cls": {"path": None, "name": None},
+        }
+    )
+    cfg = DataConfig.from_any(verl_data)
+    assert (cfg.max_prompt_length, cfg.truncation, cfg.return_raw_chat) == (512, "left", True)
+    assert DataConfig.from_any({"max_prompt_length": 64}).max_prompt_length == 64
+    defaults = DataConfig()
+    assert (defaults.truncation, defaults.max_prompt_length, defaults.filter_overlong_prompts) == ("error", 1024, True)
+    assert (defaults.image_key, defaults.video_key, defaults.return_multi_modal_inputs) == ("images", "videos", True)
+    with pytest.raises(ValueError, match="truncation"):
+        DataConfig.from_any({"truncation": "sideways"})
+    assert DataConfig(decode_pool_max_size=0).decode_pool_max_size == 0  # no decode pool: tokenizer actors decode
+    assert DataConfig(vision_pool_max_size=0).vision_pool_max_size == 0  # no vision pool: the actors before it
+    with pytest.raises(ValueError, match="tokenizer_pool_min_size"):
+        DataConfig(tokenizer_pool_max_size=0)
+    for pool in ("decode", "vision"):
+        with pytest.raises(ValueError, match=f"{pool}_pool_min_size"):
+            DataConfig(**{f"{pool}_pool_max_size": -1})
+    with pytest.raises(ValueError, match="need a vision pool"):
+        DataConfig(vision_pool_max_size=0, vision_num_gpus=0.5)
+    assert DataConfig(vision_decode_video_on_device=True, vision_video_decoder="torchcodec").vision_video_decoder
+    with pytest.raises(ValueError, match="vision_video_decoder must be one of"):
+        DataConfig(vision_decode_video_on_device=True, vision_video_decoder="decord")
+    with pytest.raises(ValueError, match="only decodes video files with vision_decode_video_on_device: true"):
+        DataConfig(vision_video_decoder="pyav")
