@@ -47,6 +47,6 @@ timeout 90 python3 ingest/devtools/gpu/prof.py /tmp/bench/geo3k-1000 >"$OUT"/pro
 echo "rc=$?"; grep -v "Warning\|warn" "$OUT"/prof.txt | head -40; tail -3 "$OUT"/prof.err; }
 [ -n "$SKIP_GPU_CHECK" ] && { t "end"; exit 0; }
 t "gpu parity check"
-timeout 110 python3 ingest/devtools/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
+timeout ${GPU_CHECK_TIMEOUT:-200} python3 ingest/devtools/gpu/gpu_check.py "$OUT"/gpu_check.json >"$OUT"/gpu_check.log 2>&1
 echo "rc=$?"; grep '^{' "$OUT"/gpu_check.log | cut -c1-2500; grep -v '^{' "$OUT"/gpu_check.log | grep -i "error\|Traceback" | head -5
 t "end"
