@@ -314,7 +314,7 @@ def test_dockerfile_installs_the_pinned_stack_and_the_package():
     for src in set(copied):
         assert (ROOT / src).exists(), f"docker/Dockerfile copies {src}, which does not exist"
     meta = pyproject()
-    for package in meta["tool"]["setuptools"]["packages"]:
+    for package in meta["tool"]["setuptools"]["packages"]["find"]["include"]:  # the top-level packages and below
         assert package.split(".")[0] in copied, f"package {package} is not copied into the image"
     assert meta["project"]["readme"] in copied and "pyproject.toml" in copied and "requirements/main.txt" in copied
 
