@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from ingest.blocks import FILE_COLUMN, ROW_COLUMN
+from ingest.blocks import (
+    FILE_COLUMN,
+    MULTI_MODAL_DATA,
+    MULTI_MODAL_INPUTS,
+    PROVENANCE_COLUMNS,
+    ROW_COLUMN,
+    TOKEN_COLUMNS,
+)
 from ingest.errors import BadRowError
 
 
@@ -75,3 +82,23 @@ def batch_key(table: pa.Table) -> tuple | None:
     if not table.num_rows or ROW_COLUMN not in table.column_names:
         return None
     return table.column(FILE_COLUMN)[0].as_py(), table.column(ROW_COLUMN)[0].as_py()
+
+
+def input_row(table: pa.Table, i: int) -> dict | None:
+    """What a quarantine record shows of a row as read: every column but the provenance ones (None where the row
+    does not convert to Python)."""
+    try:
+        return {k: v for k, v in table.slice(i, 1).to_pylist()[0].items() if k not in PROVENANCE_COLUMNS}
+    except Exception:
+        return None
+
+
+def processed_row(table: pa.Table, i: int) -> dict | None:
+    """What a quarantine record shows of a row after the tokenize stage: its plain columns (no internal columns, ids
+    or media payloads)."""
+    names = [n for n in table.column_names if not n.startswith("_") and n not in TOKEN_COLUMNS]
+    names = [n for n in names if n not in (MULTI_MODAL_DATA, MULTI_MODAL_INPUTS)]
+    try:
+        return table.select(names).slice(i, 1).to_pylist()[0]
+    except Exception:
+        return None

@@ -49,6 +49,7 @@ class VisionSpec:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> VisionSpec:
+        """The geometry a processor directory's saved JSON gives; a number it leaves out keeps Qwen2-VL's default."""
         path = Path(path)
         config = image_processor_config(path)
         size = config.get("size") or {}
@@ -56,15 +57,18 @@ class VisionSpec:
         if (path / "video_preprocessor_config.json").is_file():
             video = json.loads((path / "video_preprocessor_config.json").read_text())
         video_size = video.get("size") or {}
+        default = cls()
+        video_min = video.get("min_pixels") or video_size.get("shortest_edge") or default.video_min_pixels
+        video_max = video.get("max_pixels") or video_size.get("longest_edge") or default.video_max_pixels
         return cls(
-            patch_size=int(config.get("patch_size", 14)),
-            merge_size=int(config.get("merge_size", 2)),
-            temporal_patch_size=int(config.get("temporal_patch_size", 2)),
-            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
-            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
-            processor_class=str(config.get("image_processor_type", "Qwen2VLImageProcessor")),
-            video_min_pixels=int(video.get("min_pixels") or video_size.get("shortest_edge") or 128 * 28 * 28),
-            video_max_pixels=int(video.get("max_pixels") or video_size.get("longest_edge") or 768 * 28 * 28),
+            patch_size=int(config.get("patch_size", default.patch_size)),
+            merge_size=int(config.get("merge_size", default.merge_size)),
+            temporal_patch_size=int(config.get("temporal_patch_size", default.temporal_patch_size)),
+            min_pixels=int(config.get("min_pixels") or size.get("shortest_edge") or default.min_pixels),
+            max_pixels=int(config.get("max_pixels") or size.get("longest_edge") or default.max_pixels),
+            processor_class=str(config.get("image_processor_type", default.processor_class)),
+            video_min_pixels=int(video_min),
+            video_max_pixels=int(video_max),
         )
 
     @property

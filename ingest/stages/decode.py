@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, processed_row, quarantine_record, row_error
 from ingest.blocks import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
@@ -16,9 +16,7 @@ from ingest.blocks import (
     FRAMES_STRUCT,
     MEDIA_BYTES_COLUMN,
     MULTI_MODAL_DATA,
-    MULTI_MODAL_INPUTS,
     PROMPT_TOKENS_COLUMN,
-    TOKEN_COLUMNS,
     VIDEO_FRAMES_COLUMN,
     VIDEO_PLANS_COLUMN,
     drop_internal_columns,
@@ -89,7 +87,7 @@ class DecodeStage:
         counted = [i for i in kept if not _hasdeferred_values(images[i], frames[i])]
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
-        quarantine = [quarantine_record(err, row_dict(table, i)) for i, err in sorted(bad.items())]
+        quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
         if bad:
             for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN):  # consumed: not worth copying in the take
                 table = table.set_column(table.column_names.index(name), name, pa.nulls(table.num_rows))
@@ -129,16 +127,6 @@ class DecodeStage:
 def _hasdeferred_values(images: list | None, videos: list | None) -> bool:
     """Whether a row has a JPEG or a video file left encoded for the vision stage."""
     return any(jpeg is not None for *_, jpeg in images or ()) or any(v.get("deferred") for v in videos or ())
-
-
-def row_dict(table: pa.Table, i: int) -> dict | None:
-    """What a quarantine record can show of a row after the tokenize stage: its plain columns."""
-    names = [n for n in table.column_names if not n.startswith("_") and n not in TOKEN_COLUMNS]
-    names = [n for n in names if n not in (MULTI_MODAL_DATA, MULTI_MODAL_INPUTS)]
-    try:
-        return table.select(names).slice(i, 1).to_pylist()[0]
-    except Exception:
-        return None
 
 
 def _sampled_frames(plan: dict) -> dict:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error, row_location
+from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record, row_error, row_location
 from ingest.blocks import TENSOR_STRUCT, tensor_record
 from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError
@@ -37,7 +37,6 @@ from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft.data import RenderedConversation, SFTRenderError, TrainingSequence
 from ingest.sft.sample import build_training_sample, conversation_problem
 from ingest.sft.sequence import pack, shift_and_truncate
-from ingest.stages.tokenize import _row_dict
 
 TOOLS_COLUMN = "tools"
 IMAGE_BYTES_COLUMN = "_sft_image_bytes"  # encoded images of the row, in stream order (for the vision stage)
@@ -238,7 +237,7 @@ class SFTRenderStage:
             quarantined=len(bad),
             prompt_tokens=sum(len(s.inputs) for s in sequences),
         )
-        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
+        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
         budget = cfg.sft_pack_token_budget
         rows = pack(sequences, budget) if budget > 0 else sequences
         return StageResult(self.rows_table(rows), counts, quarantine)

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record, row_error
 from ingest.blocks import (
     GRIDS_TYPE,
     IMAGE_GRIDS_COLUMN,
@@ -82,7 +82,7 @@ class PromptTokenizeStage:
         valid = [i for i in range(table.num_rows) if i not in invalid]
         result = self._process(table.take(pa.array(valid, pa.int64())))
         records = [
-            quarantine_record(err, _row_dict(table, i) or _lossy_row_dict(table, i)) for i, err in invalid.items()
+            quarantine_record(err, input_row(table, i) or _lossy_row_dict(table, i)) for i, err in invalid.items()
         ]
         position = {table.column(ROW_COLUMN)[i].as_py(): i for i in range(table.num_rows)}
         result.quarantine = sorted(result.quarantine + records, key=lambda r: position[r["row"]])
@@ -206,7 +206,7 @@ class PromptTokenizeStage:
             quarantined=len(bad),
             filtered_overlong=int((valid & ~keep).sum()),
         )
-        quarantine = [quarantine_record(err, _row_dict(table, i)) for i, err in sorted(bad.items())]
+        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
         kept = np.flatnonzero(keep)
         if self.vision is None:  # on the processor path the decode stage counts them (it may still drop a row)
             counts.rows_out = len(kept)
@@ -317,13 +317,6 @@ class PromptTokenizeStage:
                 for i in range(len(input_ids))
             ]
         )
-
-
-def _row_dict(table: pa.Table, i: int) -> dict | None:
-    try:
-        return {k: v for k, v in table.slice(i, 1).to_pylist()[0].items() if k not in PROVENANCE_COLUMNS}
-    except Exception:
-        return None
 
 
 def _text_as_binary(dtype: pa.DataType) -> pa.DataType:

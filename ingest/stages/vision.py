@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, processed_row, quarantine_record, row_error
 from ingest.blocks import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
@@ -45,7 +45,6 @@ from ingest.media.device import limit_torch_threads, resize_kernel, resolve_devi
 from ingest.media.image import decode_jpegs
 from ingest.media.pixels import ProcessorPixels, host_array
 from ingest.media.video import decode_video_file, resize_frames, video_file_decoder
-from ingest.stages.decode import row_dict
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +221,7 @@ class VisionStage:
         rows = sorted({i for i, _ in jpeg_places + video_places} - bad.keys())
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(rows), quarantined=len(bad), prompt_tokens=int(tokens[rows].sum()))
-        quarantine = [quarantine_record(err, row_dict(table, i)) for i, err in sorted(bad.items())]
+        quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
         if bad:
             kept = [i for i in range(table.num_rows) if i not in bad]
             table = table.take(kept)
