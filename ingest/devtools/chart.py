@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "bench-results"
 CHART = ROOT / "docs" / "benchmarks.png"
 OURS, VERL, INK, GRID = (38, 110, 200), (160, 160, 160), (30, 30, 30), (225, 225, 225)
+LAYOUT_NAMES = {"one_pool": "one pool", "decode_in_tokenizer": "decode in tokenizer", "decode_pool": "three pools"}
 
 
 def commit() -> str:
@@ -42,7 +43,9 @@ def workloads() -> list[dict]:
         for size in doc["sizes"]:
             for layout in size.get("order", ["default"]):
                 key = "ours" if layout in ("default", "decode_pool") else f"ours_{layout}"
-                what = f"text {size['rows']:,}" if kind == "text" else f"images {size['rows']:,} ({layout})"
+                what = f"text, {size['rows']:,} rows" if kind == "text" else f"images, {size['rows']:,} rows"
+                if kind == "mm":
+                    what += f"\n{LAYOUT_NAMES.get(layout, layout)}"
                 rows.append({"label": what, "ours": size[key], "verl": size.get("verl"), "commit": doc["commit"]})
     return rows
 
@@ -58,19 +61,21 @@ def draw(path: Path = CHART) -> Path:
     image = Image.new("RGB", (left + 2 * panel_w + 60, max(height, 140)), "white")
     pen = ImageDraw.Draw(image)
     commits = sorted({item["commit"] for item in items})
-    pen.text((10, 8), f"ours (blue) against verl 0.5.0 (grey); commit {', '.join(commits)}", fill=INK, font=font)
+    title = f"ours (blue) against verl 0.5.0 (grey), each workload on its own scale; commit {', '.join(commits)}"
+    pen.text((10, 8), title, fill=INK, font=font)
     panels = (("rows/s (more is better)", "rows_per_s", "{:,.0f}"), ("first batch, s (less is better)",
               "time_to_first_batch_s", "{:.1f}"))  # fmt: skip
     for p, (title, key, fmt) in enumerate(panels):
         x0 = left + p * (panel_w + 30)
         pen.text((x0, top - 22), title, fill=INK, font=font)
-        values = [item[side][key] for item in items for side in ("ours", "verl") if item[side] and item[side][key]]
-        scale = (panel_w - 70) / max(values or [1])
         pen.line([(x0, top - 4), (x0, height - 30)], fill=GRID)
         for i, item in enumerate(items):
             y = top + i * (2 * bar + gap)
             if p == 0:
-                pen.text((10, y + bar // 2), item["label"], fill=INK, font=font)
+                pen.multiline_text((10, y - 2), item["label"], fill=INK, font=font, spacing=1)
+            # each workload on its own scale: the bars compare ours with verl, not text rows with image rows
+            values = [item[side][key] for side in ("ours", "verl") if item[side] and item[side][key]]
+            scale = (panel_w - 70) / max(values or [1])
             for j, (side, colour) in enumerate((("ours", OURS), ("verl", VERL))):
                 value = item[side][key] if item[side] else None
                 if value is None:
@@ -80,6 +85,6 @@ def draw(path: Path = CHART) -> Path:
                 pen.text((x0 + value * scale + 4, y1), fmt.format(value), fill=INK, font=small)
             if p == 0 and item["verl"]:
                 ratio = item["ours"]["rows_per_s"] / item["verl"]["rows_per_s"]
-                pen.text((10, y + bar // 2 + 16), f"{ratio:.2f}x verl", fill=OURS, font=small)
+                pen.text((150, y - 2), f"{ratio:.2f}x verl", fill=OURS, font=small)
     image.save(path)
     return path
