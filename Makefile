@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLE := .oracle/.installed
+ORACLE06 := .oracle-0.6/.installed
 
 .PHONY: install oracle demo test lint bench clean
 
@@ -23,14 +24,20 @@ $(ORACLE): requirements/oracle.txt
 	$(PIP) install -q --no-deps --target .oracle -r requirements/oracle.txt
 	touch $@
 
-oracle: $(ORACLE)
+# verl 0.6.1, the oracle of row_format verl-0.6, beside it (the same transformers 4.57)
+$(ORACLE06): requirements/oracle-0.6.txt
+	rm -rf .oracle-0.6
+	$(PIP) install -q --no-deps --target .oracle-0.6 -r requirements/oracle-0.6.txt
+	touch $@
+
+oracle: $(ORACLE) $(ORACLE06)
 
 demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it
-test: $(STAMP) $(ORACLE)
+test: $(STAMP) $(ORACLE) $(ORACLE06)
 	$(PY) -m ruff check ingest actors tests
 	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q tests
 
@@ -42,4 +49,4 @@ bench: $(STAMP) $(ORACLE)
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
-	rm -rf $(VENV) .oracle out
+	rm -rf $(VENV) .oracle .oracle-0.6 out

@@ -21,6 +21,8 @@ DEVICE_RESIZES = ("auto", "torch", "triton")
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
+# the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far
+ROW_FORMATS = ("verl-0.5", "verl-0.6")
 
 # Keys of a verl ``data:`` section that the 0.5.0 dataset does not read (the trainer or sampler does). Accepted so a
 # verl config works unchanged; they have no effect here.
@@ -75,6 +77,7 @@ class DataConfig:
     seed: int = 1
 
     # --- pipeline keys ---
+    row_format: str = "verl-0.5"  # whose rows: ROW_FORMATS (VerlCollate(row_format=...) collates them likewise)
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
     # two units of this many rows are cut off the first unit in read order (0: not cut): a map task hands on its block
     # when its whole unit is done, and Ray Data's iterator takes in the second block before it yields the first, so the
@@ -125,6 +128,8 @@ class DataConfig:
     sft_pack_token_budget: int = 0  # > 0: pack samples in order into rows of at most this many inputs
 
     def __post_init__(self) -> None:
+        if self.row_format not in ROW_FORMATS:
+            raise ValueError(f"data.row_format must be one of {ROW_FORMATS}, got {self.row_format!r}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if int(self.max_prompt_length) < 1:

@@ -78,7 +78,7 @@ class PromptStream:
         self.processor = processor
         self.config = DataConfig.from_any(config)
         self.batch_size = batch_size
-        self.collate_fn = collate_fn or VerlCollate()
+        self.collate_fn = collate_fn or VerlCollate(row_format=self.config.row_format)
         self.drop_last = drop_last
         self.ledger = ledger  # a RunLedger actor: counts of what each (re)started epoch read
         self.epoch = 0

@@ -36,6 +36,11 @@ def build_dataset(
     ``plan``: read only these units (resume); ``keep_provenance``: keep the ``_ingest_file`` / ``_ingest_row`` columns.
     """
     cfg = DataConfig.from_any(config)
+    if processor is not None and cfg.row_format != "verl-0.5":
+        raise ValueError(
+            f"row_format {cfg.row_format} is built for text prompts so far; with a processor (image and video "
+            "prompts) use row_format verl-0.5"
+        )
     check_model_path(tokenizer)
     if processor is not None:
         check_model_path(processor, "processor")

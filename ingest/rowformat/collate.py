@@ -22,6 +22,7 @@ from ingest.blocks import (
     tensor_from_record,
     tensor_rows,
 )
+from ingest.config import ROW_FORMATS
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
@@ -153,12 +154,18 @@ class VerlCollate(ArrowBatchCollateFn):
     None for missing struct fields). ``one_dimensional=True`` gives later verl's always-1-D object arrays instead of
     0.5.0's ``np.array(values, dtype=object)`` (which makes equal-length lists 2-D). Keys come in verl's order:
     tensors first, then the rest in row order.
+
+    ``row_format`` (``DataConfig.row_format``): whose ``collate_fn`` to reproduce. ``verl-0.6`` collates with
+    ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or null).
     """
 
-    def __init__(self, device: str | None = None, one_dimensional: bool = False):
+    def __init__(self, device: str | None = None, one_dimensional: bool = False, row_format: str = "verl-0.5"):
         super().__init__()
+        if row_format not in ROW_FORMATS:
+            raise ValueError(f"row_format must be one of {ROW_FORMATS}, got {row_format!r}")
         self.device = device
-        self.one_dimensional = one_dimensional
+        self.row_format = row_format
+        self.one_dimensional = one_dimensional or row_format != "verl-0.5"
 
     def __call__(self, batch: pa.Table) -> dict:
         import torch
@@ -187,8 +194,28 @@ class VerlCollate(ArrowBatchCollateFn):
                 if name == "raw_prompt" and pa.types.is_string(column.type):
                     values = [json.loads(v) for v in values]  # processor path: split messages kept as JSON
                 others[name] = object_array(values, one_dimensional=self.one_dimensional)
+        if self.row_format != "verl-0.5" and batch.num_rows:
+            others = _extra_info_as_verl_06(others, batch.num_rows)
         for key, default in ROW_DEFAULTS.items():
             if key not in others and batch.num_rows:
                 values = [copy.copy(default) for _ in range(batch.num_rows)]
                 others[key] = object_array(values, one_dimensional=self.one_dimensional)
         return {**tensors, **others}
+
+
+def _extra_info_as_verl_06(others: dict, rows: int) -> dict:
+    """verl 0.6 sets ``extra_info`` to ``{}`` on a row where it is missing or null, before it reads ``index`` /
+    ``tools_kwargs`` / ``interaction_kwargs`` from it: such a row has ``{}`` kwargs, not the struct column's
+    all-null fields. A missing column comes after the prompt keys, before those three."""
+    if "extra_info" not in others:
+        empty = np.fromiter(({} for _ in range(rows)), dtype=object, count=rows)
+        names = list(others)
+        at = min((names.index(key) for key in ROW_DEFAULTS if key in others), default=len(names))
+        return {**dict(list(others.items())[:at]), "extra_info": empty, **dict(list(others.items())[at:])}
+    extra_info = others["extra_info"]
+    for i in [i for i, value in enumerate(extra_info) if value is None]:
+        extra_info[i] = {}
+        for key in ("tools_kwargs", "interaction_kwargs"):
+            if key in others:
+                others[key][i] = {}
+    return others

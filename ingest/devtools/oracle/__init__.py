@@ -1,8 +1,8 @@
-"""Running verl 0.5.0 itself (the parity oracle and the benchmark's competitor) in a subprocess.
+"""Running verl itself (the parity oracle of each row format, and the benchmark's competitor) in a subprocess.
 
-verl 0.5.0 needs transformers 4.57 (shared/verl-row-contract.md), so it lives in its own ``--target`` directory
-(``make oracle`` installs it in ``.oracle/``) and runs with that directory in front of ``PYTHONPATH``, reusing this
-environment's torch, numpy, pyarrow and PIL.
+Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need transformers 4.57, so each lives in
+its own ``--target`` directory (``make oracle`` installs ``.oracle/`` and ``.oracle-0.6/``) and runs with that
+directory in front of ``PYTHONPATH``, reusing this environment's torch, numpy, pyarrow and PIL.
 """
 
 from __future__ import annotations
@@ -16,27 +16,40 @@ import sys
 import tempfile
 from pathlib import Path
 
-ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"
+ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"  # the verl 0.5.0 oracle's directory, where it is not the repository's
 RUNNER = Path(__file__).with_name("verl_runner.py")
+# row format -> the directory (under the repository) its verl release is installed in
+ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6"}
 
 
-def oracle_dir() -> Path:
-    return Path(os.environ.get(ORACLE_DIR_ENV, Path(__file__).resolve().parents[3] / ".oracle"))
+def oracle_dir(row_format: str = "verl-0.5") -> Path:
+    if row_format == "verl-0.5" and os.environ.get(ORACLE_DIR_ENV):
+        return Path(os.environ[ORACLE_DIR_ENV])
+    return Path(__file__).resolve().parents[3] / ORACLE_DIRS[row_format]
 
 
-def oracle_available() -> bool:
-    return (oracle_dir() / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file()
+def oracle_available(row_format: str = "verl-0.5") -> bool:
+    return (oracle_dir(row_format) / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file()
 
 
-def run_verl(mode: str, files: list[str], tokenizer: str, config: dict | None, timeout: float = 1800, **extra) -> dict:
-    """Run ``verl_runner.py MODE`` and return what it wrote (rows / batches for ``rows``, timings for ``bench``)."""
-    if not oracle_available():
-        raise RuntimeError(f"verl 0.5.0 oracle not installed in {oracle_dir()} (run `make oracle`)")
+def run_verl(
+    mode: str,
+    files: list[str],
+    tokenizer: str,
+    config: dict | None,
+    timeout: float = 1800,
+    row_format: str = "verl-0.5",
+    **extra,
+) -> dict:
+    """Run ``verl_runner.py MODE`` with the verl release of ``row_format`` and return what it wrote (rows / batches
+    for ``rows``, timings for ``bench``)."""
+    if not oracle_available(row_format):
+        raise RuntimeError(f"the {row_format} oracle is not installed in {oracle_dir(row_format)} (run `make oracle`)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.pkl"
         spec = {"files": files, "tokenizer": tokenizer, "config": config, "out": str(out), **extra}
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir(row_format)), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle
         # keeps decord, the reader its parity was established with (docs/parity.md)
