@@ -1,4 +1,4 @@
-"""Ray Data ingestion for RL and SFT post-training: Parquet -> actor pools -> verl 0.5.0 rows."""
+"""Ray Data ingestion for RL and SFT post-training: Parquet -> actor pools -> verl rows (0.5.0 by default)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def build_dataset(
     plan: InputPlan | None = None,
     keep_provenance: bool = False,
 ) -> ray.data.Dataset:
-    """A Ray Dataset of verl 0.5.0 rows (``RLHFDataset.__getitem__``) for ``files``.
+    """A Ray Dataset of verl rows (``RLHFDataset.__getitem__`` of the ``row_format`` release; 0.5.0 by default).
 
     ``files``: a path, directory, glob or list of them, local or ``s3://`` / ``hdfs://`` / ``webhdfs://``.
     ``tokenizer`` / ``processor``: a local directory or hub name, loaded once per actor (``None`` for the tokenizer
