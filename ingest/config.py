@@ -21,8 +21,39 @@ DEVICE_RESIZES = ("auto", "torch", "triton")
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
-# the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far
+# the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far.
+# "auto": the installed verl's (resolve_row_format)
 ROW_FORMATS = ("verl-0.5", "verl-0.6")
+
+
+def installed_verl_version() -> str | None:
+    """The version of the verl package this process would import; None where there is none."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return None
+
+
+def resolve_row_format(row_format: str) -> str:
+    """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5 or
+    0.6), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both."""
+    if row_format != "auto":
+        if row_format not in ROW_FORMATS:
+            raise ValueError(f"row_format must be one of {(*ROW_FORMATS, 'auto')}, got {row_format!r}")
+        return row_format
+    installed = installed_verl_version()
+    if installed is None:
+        return "verl-0.5"
+    line = "verl-" + ".".join(installed.split(".")[:2])
+    if line not in ROW_FORMATS:
+        raise ValueError(
+            f"row_format: auto found verl {installed} installed, whose rows this pipeline does not build yet "
+            f"(row formats: {', '.join(ROW_FORMATS)}); set row_format to one of them"
+        )
+    return line
+
 
 # Keys of a verl ``data:`` section that the 0.5.0 dataset does not read (the trainer or sampler does). Accepted so a
 # verl config works unchanged; they have no effect here.
@@ -77,7 +108,8 @@ class DataConfig:
     seed: int = 1
 
     # --- pipeline keys ---
-    row_format: str = "verl-0.5"  # whose rows: ROW_FORMATS (VerlCollate(row_format=...) collates them likewise)
+    # whose rows: ROW_FORMATS, or "auto" (the installed verl's; resolved here, on the driver, so actors need no verl)
+    row_format: str = "verl-0.5"
     read_rows_per_task: int = 1024  # rows per read unit: a streaming start needs units smaller than a file
     # two units of this many rows are cut off the first unit in read order (0: not cut): a map task hands on its block
     # when its whole unit is done, and Ray Data's iterator takes in the second block before it yields the first, so the
@@ -128,8 +160,7 @@ class DataConfig:
     sft_pack_token_budget: int = 0  # > 0: pack samples in order into rows of at most this many inputs
 
     def __post_init__(self) -> None:
-        if self.row_format not in ROW_FORMATS:
-            raise ValueError(f"data.row_format must be one of {ROW_FORMATS}, got {self.row_format!r}")
+        self.row_format = resolve_row_format(self.row_format)
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
         if int(self.max_prompt_length) < 1:

@@ -45,3 +45,22 @@ def test_config_accepts_dict_dictconfig_and_verl_keys():
         DataConfig(vision_decode_video_on_device=True, vision_video_decoder="decord")
     with pytest.raises(ValueError, match="only decodes video files with vision_decode_video_on_device: true"):
         DataConfig(vision_video_decoder="pyav")
+
+
+def test_row_format_auto_follows_the_installed_verl(monkeypatch):
+    """``row_format: auto`` resolves on the driver to the installed verl's release line (``verl-0.5`` with none), and
+    a release whose rows are not built is one error naming it."""
+    import ingest.config as config
+    from ingest import VerlCollate
+
+    assert DataConfig().row_format == "verl-0.5"
+    monkeypatch.setattr(config, "installed_verl_version", lambda: None)
+    assert DataConfig(row_format="auto").row_format == "verl-0.5"
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.6.1")
+    assert DataConfig.from_any({"row_format": "auto"}).row_format == "verl-0.6"
+    assert VerlCollate(row_format="auto").row_format == "verl-0.6"
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.9.1")
+    with pytest.raises(ValueError, match="found verl 0.9.1 installed"):
+        DataConfig(row_format="auto")
+    with pytest.raises(ValueError, match="row_format must be one of"):
+        DataConfig(row_format="verl-0.9")

@@ -22,7 +22,7 @@ from ingest.blocks import (
     tensor_from_record,
     tensor_rows,
 )
-from ingest.config import ROW_FORMATS
+from ingest.config import resolve_row_format
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
@@ -155,14 +155,14 @@ class VerlCollate(ArrowBatchCollateFn):
     0.5.0's ``np.array(values, dtype=object)`` (which makes equal-length lists 2-D). Keys come in verl's order:
     tensors first, then the rest in row order.
 
-    ``row_format`` (``DataConfig.row_format``): whose ``collate_fn`` to reproduce. ``verl-0.6`` collates with
-    ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or null).
+    ``row_format`` (``DataConfig.row_format``, ``auto`` included): whose ``collate_fn`` to reproduce. ``verl-0.6``
+    collates with ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or
+    null).
     """
 
     def __init__(self, device: str | None = None, one_dimensional: bool = False, row_format: str = "verl-0.5"):
         super().__init__()
-        if row_format not in ROW_FORMATS:
-            raise ValueError(f"row_format must be one of {ROW_FORMATS}, got {row_format!r}")
+        row_format = resolve_row_format(row_format)
         self.device = device
         self.row_format = row_format
         self.one_dimensional = one_dimensional or row_format != "verl-0.5"
