@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ingest.config import DataConfig
+from ingest.config import DataConfig, StageContext
 from ingest.errors import ModelLoadError, SourceError
 from ingest.read.files import FileInfo, _describe, expand_files, inspect_files, unify_schemas
 from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
@@ -26,6 +26,10 @@ class InputPlan:
     @property
     def num_rows(self) -> int:
         return sum(u.num_rows for u in self.units)
+
+    def context(self, ledger=None, keep_provenance: bool = False) -> StageContext:
+        """The ``StageContext`` of a run over these files (named as errors name them: secrets redacted)."""
+        return StageContext(tuple(_describe(p) for p in self.files), ledger, keep_provenance)
 
 
 def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:

@@ -9,10 +9,9 @@ from typing import Any
 
 import ray
 
-from ingest.config import DataConfig, StageContext
+from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
 from ingest.datasets.pools import actor_kwargs, map_on_pool, read_units_into_pool
-from ingest.read.files import _describe
 
 
 def build_dataset(
@@ -47,7 +46,7 @@ def build_dataset(
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    context = StageContext(tuple(_describe(p) for p in plan.files), ledger, keep_provenance)
+    context = plan.context(ledger, keep_provenance)
     models = actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor)
     ds = read_units_into_pool(plan, cfg, context, TokenizeActor, models, epoch=epoch)
     if processor is None:

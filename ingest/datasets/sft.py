@@ -18,7 +18,7 @@ import ray
 from ray.data.collate_fn import ArrowBatchCollateFn
 
 from ingest.blocks import contiguous, tensor_from_record
-from ingest.config import DataConfig, StageContext
+from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
 from ingest.datasets.pools import actor_kwargs, map_on_pool, read_units_into_pool
 from ingest.errors import SourceError
@@ -98,7 +98,7 @@ def build_sft_dataset(
     plan = plan or plan_sft_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import SFTRenderActor, SFTVisionActor
 
-    context = StageContext(tuple(_describe(p) for p in plan.files), ledger)
+    context = plan.context(ledger)
     render = {**actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor), "role_to_mask": role_to_mask}
     # one read unit per call; the actor batches (and packs) by tokenizer_batch_size
     ds = read_units_into_pool(plan, cfg, context, SFTRenderActor, render, epoch=epoch)
