@@ -6,6 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLE := .oracle/.installed
 ORACLE06 := .oracle-0.6/.installed
+ORACLE09 := .oracle-0.9/.installed
 
 .PHONY: install oracle demo test lint bench clean
 
@@ -30,14 +31,20 @@ $(ORACLE06): requirements/oracle-0.6.txt
 	$(PIP) install -q --no-deps --target .oracle-0.6 -r requirements/oracle-0.6.txt
 	touch $@
 
-oracle: $(ORACLE) $(ORACLE06)
+# verl 0.9.1, the oracle of row_format verl-0.9 (transformers 5.9, as verl 0.9.1 pins it)
+$(ORACLE09): requirements/oracle-0.9.txt
+	rm -rf .oracle-0.9
+	$(PIP) install -q --no-deps --target .oracle-0.9 -r requirements/oracle-0.9.txt
+	touch $@
+
+oracle: $(ORACLE) $(ORACLE06) $(ORACLE09)
 
 demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it
-test: $(STAMP) $(ORACLE) $(ORACLE06)
+test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE09)
 	$(PY) -m ruff check ingest actors tests
 	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q tests
 
@@ -49,4 +56,4 @@ bench: $(STAMP) $(ORACLE)
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
-	rm -rf $(VENV) .oracle .oracle-0.6 out
+	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.9 out

@@ -1,4 +1,5 @@
-"""The tokenization actor: loads the tokenizer once, then runs ``PromptTokenizeStage`` per batch (and, on small
+"""The tokenization actor: loads the tokenizer once, then runs ``PromptTokenizeStage`` (``RawPromptStage`` for verl
+0.9 rows) per batch (and, on small
 layouts, the media stages after it: ``media_steps``)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pyarrow as pa
 from ingest.config import DataConfig, StageContext
 from ingest.media.geometry import VisionSpec
 from ingest.memory import use_arrow_memory_pool
+from ingest.stages.raw_prompt import RawPromptStage
 from ingest.stages.tokenize import PromptTokenizeStage
 from ingest.stats import stage_unit
 from ingest.tokenizer.chat import ChatTokenizer
@@ -21,7 +23,8 @@ class TokenizeActor:
         use_arrow_memory_pool(config.arrow_memory_pool)
         vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
         chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
-        self.stage = PromptTokenizeStage(chat, config, context, vision)
+        stage = RawPromptStage if config.row_format == "verl-0.9" else PromptTokenizeStage
+        self.stage = stage(chat, config, context, vision)
         self.ledger = context.ledger
         self.batch_size = config.tokenizer_batch_size
         self.media = None

@@ -144,7 +144,7 @@ import os
 import re
 
 env = {
-    "excludes": [".git", ".venv", ".oracle", ".oracle-0.6", ".cache", "out", "build", "**/__pycache__", "*.egg-info",
+    "excludes": [".git", ".venv", ".oracle", ".oracle-0.6", ".oracle-0.9", ".cache", "out", "build", "**/__pycache__", "*.egg-info",
                  ".pytest_cache", ".ruff_cache"],
     "env_vars": {"PYTHONUNBUFFERED": "1"},
 }

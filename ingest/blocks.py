@@ -26,6 +26,9 @@ MAX_LENGTH_COLUMN = "_ingest_max_prompt_length"
 PAD_ID_COLUMN = "_ingest_pad_token_id"
 COMPACT_TEXT_COLUMNS = (MAX_LENGTH_COLUMN, PAD_ID_COLUMN)
 
+# --- verl 0.9 rows: the prompt column's name (its values are the raw_prompt objects, which the consumer fills in) ---
+RAW_PROMPT_OF_COLUMN = "_ingest_raw_prompt_of"
+
 # --- media rows: what the tokenize stage hands the decode and vision stages ----------------------------------------
 MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage (null: the row has no images)
 IMAGE_GRIDS_COLUMN = "_media_image_grids"  # grids computed by the tokenize stage, checked by the vision stage

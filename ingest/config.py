@@ -21,9 +21,12 @@ DEVICE_RESIZES = ("auto", "torch", "triton")
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
-# the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far.
-# "auto": the installed verl's (resolve_row_format)
-ROW_FORMATS = ("verl-0.5", "verl-0.6")
+# the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far;
+# verl-0.9 is the raw_prompt row of verl 0.7 and later (no ids: the rollout tokenizes). "auto": the installed verl's
+# (resolve_row_format)
+ROW_FORMATS = ("verl-0.5", "verl-0.6", "verl-0.9")
+# the row format of each verl release line that has one here
+_RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.9": "verl-0.9"}
 
 
 def installed_verl_version() -> str | None:
@@ -37,8 +40,8 @@ def installed_verl_version() -> str | None:
 
 
 def resolve_row_format(row_format: str) -> str:
-    """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5 or
-    0.6), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both."""
+    """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5, 0.6
+    or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both."""
     if row_format != "auto":
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {(*ROW_FORMATS, 'auto')}, got {row_format!r}")
@@ -46,8 +49,8 @@ def resolve_row_format(row_format: str) -> str:
     installed = installed_verl_version()
     if installed is None:
         return "verl-0.5"
-    line = "verl-" + ".".join(installed.split(".")[:2])
-    if line not in ROW_FORMATS:
+    line = _RELEASE_LINES.get(".".join(installed.split(".")[:2]))
+    if line is None:
         raise ValueError(
             f"row_format: auto found verl {installed} installed, whose rows this pipeline does not build yet "
             f"(row formats: {', '.join(ROW_FORMATS)}); set row_format to one of them"
@@ -102,6 +105,9 @@ class DataConfig:
     use_shm: bool = False  # likewise unused: nothing is copied
     filter_overlong_prompts_workers: int | None = None  # verl's filter pass; the in-stream filter needs no workers
     chat_template_func: str | None = None  # verl 0.5.0 reads but never calls it; never imported here either
+    # verl 0.9: qwen-vl-utils' resize factor (2 x this) before the processor's, in the overlong filter's image lengths;
+    # None: the processor's patch size (verl's code default; its legacy yaml sets 14)
+    image_patch_size: int | None = None
 
     # --- sampler keys verl reads in create_rl_sampler (same defaults) ---
     shuffle: bool = True
@@ -195,6 +201,11 @@ class DataConfig:
             raise ValueError("read_rows_per_task and tokenizer_batch_size must be >= 1")
         if self.read_first_unit_rows < 0:
             raise ValueError(f"read_first_unit_rows must be >= 0, got {self.read_first_unit_rows}")
+        if self.row_format == "verl-0.9" and (self.vision_decode_jpeg_on_device or self.vision_decode_video_on_device):
+            raise ValueError(
+                "row_format verl-0.9 rows carry images and video sources, not model inputs: there is no vision stage "
+                "to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
+            )
         self.max_prompt_length = int(self.max_prompt_length)
         self.storage_options = dict(self.storage_options or {})
 

@@ -60,7 +60,11 @@ def test_row_format_auto_follows_the_installed_verl(monkeypatch):
     assert DataConfig.from_any({"row_format": "auto"}).row_format == "verl-0.6"
     assert VerlCollate(row_format="auto").row_format == "verl-0.6"
     monkeypatch.setattr(config, "installed_verl_version", lambda: "0.9.1")
-    with pytest.raises(ValueError, match="found verl 0.9.1 installed"):
+    assert DataConfig(row_format="auto").row_format == "verl-0.9"
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.8.0")  # not checked against an oracle here
+    with pytest.raises(ValueError, match="found verl 0.8.0 installed"):
         DataConfig(row_format="auto")
     with pytest.raises(ValueError, match="row_format must be one of"):
-        DataConfig(row_format="verl-0.9")
+        DataConfig(row_format="verl-1.0")
+    with pytest.raises(ValueError, match="no vision stage"):
+        DataConfig(row_format="verl-0.9", vision_decode_jpeg_on_device=True)

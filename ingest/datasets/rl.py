@@ -35,10 +35,10 @@ def build_dataset(
     ``plan``: read only these units (resume); ``keep_provenance``: keep the ``_ingest_file`` / ``_ingest_row`` columns.
     """
     cfg = DataConfig.from_any(config)
-    if processor is not None and cfg.row_format != "verl-0.5":
+    if processor is not None and cfg.row_format == "verl-0.6":
         raise ValueError(
             f"row_format {cfg.row_format} is built for text prompts so far; with a processor (image and video "
-            "prompts) use row_format verl-0.5"
+            "prompts) use row_format verl-0.5 or verl-0.9"
         )
     check_model_path(tokenizer)
     if processor is not None:
@@ -56,4 +56,6 @@ def build_dataset(
     media = actor_kwargs(cfg, context, processor=processor)
     if cfg.decode_pool_max_size > 0:
         ds = map_on_pool(ds, cfg, "decode", DecodeActor, media)
-    return map_on_pool(ds, cfg, "vision", VisionActor, media) if cfg.vision_pool_max_size > 0 else ds
+    if cfg.row_format == "verl-0.9" or cfg.vision_pool_max_size == 0:  # verl 0.9 rows: the rollout processes media
+        return ds
+    return map_on_pool(ds, cfg, "vision", VisionActor, media)

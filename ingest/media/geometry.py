@@ -111,3 +111,28 @@ def video_grid(nframes: int, height: int, width: int, spec: VisionSpec) -> tuple
 def grid_tokens(grid: tuple[int, int, int], spec: VisionSpec) -> int:
     """How many pad tokens one image or video expands to in ``input_ids``."""
     return int(np.prod(grid)) // (spec.merge_size**2)
+
+
+# qwen-vl-utils' image budget in merged tokens (IMAGE_MIN_TOKEN_NUM / IMAGE_MAX_TOKEN_NUM)
+FETCH_MIN_TOKENS, FETCH_MAX_TOKENS = 4, 16384
+
+
+def fetch_image_size(width: int, height: int, image_patch_size: int) -> tuple[int, int]:
+    """(width, height) of an image after qwen-vl-utils' ``fetch_image`` (what verl 0.9 hands the processor): its own
+    ``smart_resize`` (multiples of ``2 * image_patch_size``, at least one factor per side; no floor in the shrink)."""
+    factor = 2 * image_patch_size
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > FETCH_MAX_TOKENS * factor**2:
+        beta = math.sqrt((height * width) / (FETCH_MAX_TOKENS * factor**2))
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < FETCH_MIN_TOKENS * factor**2:
+        beta = math.sqrt(FETCH_MIN_TOKENS * factor**2 / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return w_bar, h_bar

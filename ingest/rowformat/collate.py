@@ -15,7 +15,9 @@ from ray.data.extensions import ArrowTensorType, ArrowTensorTypeV2, ArrowVariabl
 from ingest.blocks import (
     COMPACT_TEXT_COLUMNS,
     MAX_LENGTH_COLUMN,
+    MULTI_MODAL_DATA,
     PAD_ID_COLUMN,
+    RAW_PROMPT_OF_COLUMN,
     contiguous,
     image_from_array,
     rgb_arrays,
@@ -23,6 +25,7 @@ from ingest.blocks import (
     tensor_rows,
 )
 from ingest.config import resolve_row_format
+from ingest.rowformat.raw_prompt import fill_images
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
@@ -157,7 +160,8 @@ class VerlCollate(ArrowBatchCollateFn):
 
     ``row_format`` (``DataConfig.row_format``, ``auto`` included): whose ``collate_fn`` to reproduce. ``verl-0.6``
     collates with ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or
-    null).
+    null). ``verl-0.9`` does too, on its ``raw_prompt`` rows: ``dummy_tensor`` (uint8 zeros, (B, 1)) is the one
+    tensor, ``raw_prompt`` holds RGB PIL images in its image items, and the prompt column holds the same objects.
     """
 
     def __init__(self, device: str | None = None, one_dimensional: bool = False, row_format: str = "verl-0.5"):
@@ -168,6 +172,8 @@ class VerlCollate(ArrowBatchCollateFn):
         self.one_dimensional = one_dimensional or row_format != "verl-0.5"
 
     def __call__(self, batch: pa.Table) -> dict:
+        if self.row_format == "verl-0.9":
+            return self._raw_prompt_batch(batch)
         import torch
 
         tensors, others = {}, {}
@@ -194,13 +200,45 @@ class VerlCollate(ArrowBatchCollateFn):
                 if name == "raw_prompt" and pa.types.is_string(column.type):
                     values = [json.loads(v) for v in values]  # processor path: split messages kept as JSON
                 others[name] = object_array(values, one_dimensional=self.one_dimensional)
-        if self.row_format != "verl-0.5" and batch.num_rows:
-            others = _extra_info_as_verl_06(others, batch.num_rows)
+        return {**tensors, **self._row_defaults(others, batch.num_rows)}
+
+    def _row_defaults(self, others: dict, rows: int) -> dict:
+        if self.row_format != "verl-0.5" and rows:
+            others = _extra_info_as_verl_06(others, rows)
         for key, default in ROW_DEFAULTS.items():
-            if key not in others and batch.num_rows:
-                values = [copy.copy(default) for _ in range(batch.num_rows)]
+            if key not in others and rows:
+                values = [copy.copy(default) for _ in range(rows)]
                 others[key] = object_array(values, one_dimensional=self.one_dimensional)
-        return {**tensors, **others}
+        return others
+
+    def _raw_prompt_batch(self, batch: pa.Table) -> dict:
+        """verl 0.9.1's ``collate_fn`` over its ``__getitem__`` rows (``rowformat.raw_prompt``)."""
+        import torch
+
+        rows = batch.num_rows
+        column = batch.column("raw_prompt")
+        if pa.types.is_string(column.type):
+            raw_prompt = [json.loads(value) for value in column.to_pylist()]
+        else:
+            raw_prompt = column.to_pylist()
+        if MULTI_MODAL_DATA in batch.column_names:  # decoded images, in item order
+            images = [row for chunk in batch.column(MULTI_MODAL_DATA).chunks for row in _images(chunk)]
+            for messages, row_images in zip(raw_prompt, images, strict=True):
+                if row_images:
+                    fill_images(messages, iter(row_images))
+        prompt_key = batch.column(RAW_PROMPT_OF_COLUMN)[0].as_py() if rows else None
+        others = {}
+        for name in batch.column_names:
+            if name in (MULTI_MODAL_DATA, RAW_PROMPT_OF_COLUMN):
+                continue
+            # verl keeps the prompt column: the very list it turned into raw_prompt
+            values = raw_prompt if name in (prompt_key, "raw_prompt") else batch.column(name).to_pylist()
+            others[name] = object_array(values, one_dimensional=True)
+        dummy = torch.zeros((rows, 1), dtype=torch.uint8)  # verl's placeholder so DataProto.batch is not empty
+        return {
+            "dummy_tensor": dummy.to(self.device) if self.device is not None else dummy,
+            **self._row_defaults(others, rows),
+        }
 
 
 def _extra_info_as_verl_06(others: dict, rows: int) -> dict:

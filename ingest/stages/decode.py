@@ -66,7 +66,8 @@ class DecodeStage:
         if MEDIA_BYTES_COLUMN not in table.column_names:  # not a block of the tokenize stage's processor path
             return StageResult(self._drop_internal(table), BatchCounts())
         encoded = table.column(MEDIA_BYTES_COLUMN).to_pylist()
-        plans = table.column(VIDEO_PLANS_COLUMN).to_pylist()
+        has_plans = VIDEO_PLANS_COLUMN in table.column_names  # not on verl 0.9 rows: their videos stay sources
+        plans = table.column(VIDEO_PLANS_COLUMN).to_pylist() if has_plans else [None] * table.num_rows
         images: list = [None] * table.num_rows
         frames: list = [None] * table.num_rows
         bad: dict[int, BadRowError] = {}
@@ -89,7 +90,7 @@ class DecodeStage:
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
         quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
         if bad:
-            for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN):  # consumed: not worth copying in the take
+            for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN)[: 1 + has_plans]:  # consumed: not worth copying
                 table = table.set_column(table.column_names.index(name), name, pa.nulls(table.num_rows))
             table = table.take(kept)
             images, frames = [images[i] for i in kept], [frames[i] for i in kept]
@@ -102,8 +103,9 @@ class DecodeStage:
         if self.defer_video:
             deferred = [None if row is None else [video.pop("deferred") for video in row] for row in frames]
             table = table.append_column(DEFERRED_VIDEO_COLUMN, pa.array(deferred, pa.list_(DEFERRED_VIDEO_STRUCT)))
-        index = table.column_names.index(VIDEO_PLANS_COLUMN)
-        table = table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(FRAMES_STRUCT)))
+        if has_plans:
+            index = table.column_names.index(VIDEO_PLANS_COLUMN)
+            table = table.set_column(index, VIDEO_FRAMES_COLUMN, pa.array(frames, type=pa.list_(FRAMES_STRUCT)))
         return StageResult(self._drop_internal(table), counts, quarantine)
 
     def _frames(self, plan: dict) -> dict:

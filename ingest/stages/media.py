@@ -21,7 +21,10 @@ Pool = Literal["tokenizer", "decode", "vision"]
 
 def media_steps(config: DataConfig, pool: Pool) -> tuple[bool, bool]:
     """(decode, vision): the media stages the actors of ``pool`` run on the processor path. A stage whose pool size
-    is 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) runs in the actors of the stage before it."""
+    is 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) runs in the actors of the stage before it. verl 0.9
+    rows have no vision stage (the rollout processes the media)."""
+    if config.row_format == "verl-0.9":
+        return pool == "decode" or (pool == "tokenizer" and config.decode_pool_max_size == 0), False
     decode_pool, vision_pool = config.decode_pool_max_size > 0, config.vision_pool_max_size > 0
     if pool == "tokenizer":
         return not decode_pool, not decode_pool and not vision_pool

@@ -1,8 +1,9 @@
 """Running verl itself (the parity oracle of each row format, and the benchmark's competitor) in a subprocess.
 
-Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need transformers 4.57, so each lives in
-its own ``--target`` directory (``make oracle`` installs ``.oracle/`` and ``.oracle-0.6/``) and runs with that
-directory in front of ``PYTHONPATH``, reusing this environment's torch, numpy, pyarrow and PIL.
+Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need transformers 4.57, 0.9.1 needs
+5.9, so each lives in its own ``--target`` directory (``make oracle`` installs ``.oracle/``, ``.oracle-0.6/`` and
+``.oracle-0.9/``) and runs with that directory in front of ``PYTHONPATH``, reusing this environment's torch, numpy,
+pyarrow and PIL.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"  # the verl 0.5.0 oracle's directory, where it is not the repository's
 RUNNER = Path(__file__).with_name("verl_runner.py")
 # row format -> the directory (under the repository) its verl release is installed in
-ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6"}
+ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6", "verl-0.9": ".oracle-0.9"}
 
 
 def oracle_dir(row_format: str = "verl-0.5") -> Path:

@@ -8,6 +8,7 @@ dataproto: batches pickled by our side (``spec["batches"]``, a pickle file) go t
 """
 
 import json
+import os
 import pickle
 import sys
 import time
@@ -114,7 +115,9 @@ def main():
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
-    assert transformers.__version__.startswith("4."), transformers.__version__
+    # the oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1), not this environment's
+    oracle_dir = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.realpath(transformers.__file__).startswith(os.path.realpath(oracle_dir)), transformers.__file__
     config = OmegaConf.create(spec.get("config") or {})
     started = time.perf_counter()
     tokenizer = _tokenizer(spec["tokenizer"])

@@ -1,0 +1,134 @@
+"""The verl 0.9 prompt stage: ``raw_prompt`` rows (``rowformat.raw_prompt``) and verl 0.9's overlong filter, in-stream.
+
+verl 0.9.1 measures every prompt before its first batch: the tokenizer's templated ids for text, the processor's
+expanded ``input_ids`` for media prompts (every image decoded, resized by qwen-vl-utils and processed; every video
+decoded). Here one batched encode gives the text ids and each image's grid comes from its header and the two resizes
+(qwen-vl-utils', then the processor's), each video's from its container header: no pixel is touched to measure a
+row. With the filter off nothing is measured (verl 0.9 has no truncation: an overlong prompt passes).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record
+from ingest.blocks import MEDIA_BYTES_COLUMN, PROMPT_TOKENS_COLUMN, PROVENANCE_COLUMNS, RAW_PROMPT_OF_COLUMN
+from ingest.errors import BadRowError, redact
+from ingest.media.geometry import fetch_image_size, grid_tokens, image_grid, video_grid
+from ingest.media.image import image_size, read_image_bytes
+from ingest.media.video import probe_video
+from ingest.rowformat.messages import validate_messages
+from ingest.rowformat.raw_prompt import raw_prompt_messages
+from ingest.rowformat.text import extra_info_columns
+from ingest.stages.tokenize import PromptTokenizeStage
+
+
+class RawPromptStage(PromptTokenizeStage):
+    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl 0.9 rows (``raw_prompt``).
+
+    Same construction, bad-row policy and accounting as ``PromptTokenizeStage``; on the processor path the images to
+    decode go to the decode stage (``_media_image_bytes``), which counts the rows out.
+    """
+
+    def _process(self, table: pa.Table) -> StageResult:
+        cfg = self.config
+        n = table.num_rows
+        if cfg.prompt_key not in table.column_names:
+            raise self._error(table, 0, f"no prompt column (columns: {', '.join(table.column_names)})")
+        media_columns = [c for c in (cfg.image_key, cfg.video_key) if c in table.column_names]
+        prompts = table.column(cfg.prompt_key).to_pylist()
+        images = table.column(cfg.image_key).to_pylist() if cfg.image_key in media_columns else [None] * n
+        videos = table.column(cfg.video_key).to_pylist() if cfg.video_key in media_columns else [None] * n
+        measure = cfg.filter_overlong_prompts
+        bad: dict[int, BadRowError] = {}
+        messages_out: list = [None] * n
+        texts: list[str] = [""] * n
+        to_decode: list[list[bytes] | None] = [None] * n
+        media_tokens = np.zeros(n, dtype=np.int64)  # what the media add to the text ids (grids expanded)
+        for i, messages in enumerate(prompts):
+            problem = validate_messages(messages)
+            if problem is not None:
+                bad[i] = self._error(table, i, problem)
+                continue
+            row_images, row_videos = images[i] or [], videos[i] or []
+            if (row_images or row_videos) and self.vision is None:
+                bad[i] = self._error(table, i, "an image or video prompt needs a processor (verl asserts one)")
+                continue
+            try:
+                messages, decode = raw_prompt_messages(messages, row_images, row_videos)
+                messages_out[i] = messages
+                if measure:
+                    texts[i] = self.tokenizer.render(messages)
+            except Exception as exc:
+                bad[i] = self._error(table, i, f"chat messages failed: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                encoded = [read_image_bytes(value, cfg.storage_options) for value in row_images]
+                to_decode[i] = [encoded[k] for k in decode] if self.vision is not None else None
+                if measure:
+                    media_tokens[i] = sum(self._image_tokens(*image_size(data)) - 1 for data in encoded)
+            except Exception as exc:
+                reason = redact(f"bad image: {type(exc).__name__}: {exc}", self._secrets)
+                bad[i] = self._error(table, i, reason, cfg.image_key)
+                continue
+            if measure and row_videos:
+                try:
+                    plans = [probe_video(value, cfg.storage_options) for value in row_videos]
+                    grids = [video_grid(p.nframes, p.height, p.width, self.vision) for p in plans]
+                    media_tokens[i] += sum(grid_tokens(g, self.vision) - 1 for g in grids)
+                except Exception as exc:
+                    reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
+                    bad[i] = self._error(table, i, reason, cfg.video_key)
+
+        lengths = np.zeros(n, dtype=np.int64)
+        if measure:
+            ids = self.tokenizer.encode_batch([texts[i] if i not in bad else "" for i in range(n)])
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n) + media_tokens
+        if bad and cfg.on_bad_row == "raise":
+            raise bad[min(bad)]
+        valid = np.ones(n, dtype=bool)
+        valid[list(bad)] = False
+        keep = valid & (lengths <= cfg.max_prompt_length) if measure else valid
+        counts = BatchCounts(rows_in=n, quarantined=len(bad), filtered_overlong=int((valid & ~keep).sum()))
+        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
+        kept = np.flatnonzero(keep)
+        if self.vision is None:  # on the processor path the decode stage counts them (it may still drop a row)
+            counts.rows_out = len(kept)
+            counts.prompt_tokens = int(lengths[kept].sum())
+        if len(kept) != n:
+            table = table.drop_columns(media_columns).take(kept)
+        rows = self._raw_rows(
+            table, [messages_out[i] for i in kept], [to_decode[i] for i in kept], bool(media_columns), lengths[kept]
+        )
+        return StageResult(rows, counts, quarantine)
+
+    def _image_tokens(self, width: int, height: int) -> int:
+        """An image's expanded token count: qwen-vl-utils' resize (verl 0.9's ``process_vision_info``), then the
+        processor's grid."""
+        patch = self.config.image_patch_size or self.vision.patch_size
+        width, height = fetch_image_size(width, height, patch)
+        return grid_tokens(image_grid(width, height, self.vision), self.vision)
+
+    def _raw_rows(self, table: pa.Table, messages: list, to_decode: list, as_json: bool, prompt_tokens) -> pa.Table:
+        """verl 0.9's keys in its order: the Parquet columns without the media (the prompt column's values are the
+        ``raw_prompt`` objects, filled in by the consumer), ``raw_prompt``, then ``extra_info``'s keys."""
+        cfg = self.config
+        keep_provenance = self.keep_provenance or self.vision is not None  # the decode stage names bad media's rows
+        drop = {cfg.image_key, cfg.video_key} | (set() if keep_provenance else set(PROVENANCE_COLUMNS))
+        columns = {name: table.column(name) for name in table.column_names if name not in drop}
+        # where a dataset has media columns the messages are JSON (content items of any shape, no null fields);
+        # else they stay the prompt column as read
+        if as_json:
+            columns["raw_prompt"] = pa.array([json.dumps(m, ensure_ascii=False) for m in messages], pa.string())
+        else:
+            columns["raw_prompt"] = columns[cfg.prompt_key]
+        columns[cfg.prompt_key] = pa.nulls(table.num_rows)  # the same objects as raw_prompt, in verl's key order
+        columns[RAW_PROMPT_OF_COLUMN] = pa.array([cfg.prompt_key] * table.num_rows, pa.string())
+        if self.vision is not None:
+            columns[MEDIA_BYTES_COLUMN] = pa.array(to_decode, type=pa.list_(pa.large_binary()))
+            columns[PROMPT_TOKENS_COLUMN] = pa.array(np.asarray(prompt_tokens, dtype=np.int64))
+        columns.update(extra_info_columns(table))
+        return pa.table(columns)

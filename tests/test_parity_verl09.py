@@ -1,0 +1,102 @@
+"""``row_format: verl-0.9`` against verl 0.9.1 itself (transformers 5.9 beside it): ``raw_prompt`` rows with their
+content items (text, RGB PIL images, video sources), ``dummy_tensor``, the passthrough and extra_info keys, batch by
+batch, with verl 0.9.1's overlong filter on and off; text, images of every kind, videos (frame lists and files)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest import VerlCollate, build_dataset
+from ingest.demo import gsm8k_rows
+from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.samples import write_video_parquet
+from tests.support.compare import assert_same_batches
+
+ROW_FORMAT = "verl-0.9"
+BATCH = 8
+pytestmark = pytest.mark.skipif(
+    not oracle_available(ROW_FORMAT), reason="verl 0.9.1 oracle not installed (make oracle)"
+)
+# verl 0.9 has no truncation: truncation modes change nothing, the filter (and its limit) decides which rows stay
+TEXT_CONFIGS = [
+    {"filter_overlong_prompts": True},
+    {"filter_overlong_prompts": True, "max_prompt_length": 97, "truncation": "left"},
+    {"filter_overlong_prompts": False, "max_prompt_length": 97, "truncation": "error"},
+    {"filter_overlong_prompts": True, "max_prompt_length": 512, "prompt_key": "prompt", "return_raw_chat": False},
+]
+IMAGE_CONFIGS = [
+    {"filter_overlong_prompts": True, "max_prompt_length": 640},
+    {"filter_overlong_prompts": True, "max_prompt_length": 2048},
+    {"filter_overlong_prompts": False, "max_prompt_length": 64},
+]
+
+
+def _ours(files, model_dir, config: dict, processor=None) -> list[dict]:
+    config = {**config, "shuffle": False, "row_format": ROW_FORMAT}
+    ds = build_dataset(files, model_dir, config, processor=processor)
+    return list(ds.iter_torch_batches(batch_size=BATCH, collate_fn=VerlCollate(row_format=ROW_FORMAT)))
+
+
+def _verl(files, model_dir, configs: list[dict], cache, processor=None) -> list[dict]:
+    configs = [{**c, "cache_dir": str(cache)} for c in configs]
+    runs = run_verl(
+        "rows", files, model_dir, None, configs=configs, batch_size=BATCH, processor=processor, row_format=ROW_FORMAT
+    )
+    return runs["runs"]
+
+
+@pytest.fixture(scope="module")
+def text_runs(variety_files, model_dir, tmp_path_factory):
+    return _verl(variety_files, model_dir, TEXT_CONFIGS, tmp_path_factory.mktemp("verl-cache"))
+
+
+@pytest.mark.parametrize("index", range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS])
+def test_text_rows_equal_verl_09(ray_session, variety_files, model_dir, text_runs, index):
+    expected = text_runs[index]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours(variety_files, model_dir, TEXT_CONFIGS[index])
+    assert_same_batches(ours, expected["batches"])
+    assert "input_ids" not in ours[0] and ours[0]["prompt"][0] is ours[0]["raw_prompt"][0]  # one object, as in verl
+
+
+def test_rows_without_or_with_null_extra_info_equal_verl_09(ray_session, model_dir, tmp_path):
+    rows = gsm8k_rows(40, variety=True, long_every=9)
+    without = [{k: v for k, v in row.items() if k != "extra_info"} for row in rows]
+    with_nulls = [{**row, "extra_info": None} if i % 3 == 0 else row for i, row in enumerate(rows)]
+    for name, table_rows in (("no-extra-info", without), ("null-extra-info", with_nulls)):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(table_rows), path, row_group_size=16)
+        expected = _verl([str(path)], model_dir, [TEXT_CONFIGS[0]], tmp_path / "verl-cache")[0]
+        assert "error" not in expected, expected.get("error")
+        assert_same_batches(_ours([str(path)], model_dir, TEXT_CONFIGS[0]), expected["batches"])
+
+
+@pytest.fixture(scope="module")
+def image_runs(geo3k_files, model_dir, tmp_path_factory):
+    return _verl(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), processor=model_dir)
+
+
+@pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
+def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_runs, index):
+    """Every image kind (RGBA, L, P, CMYK, extreme sizes; several per row): RGB PIL images in the content items, the
+    filter's expanded lengths from headers and the two resizes."""
+    expected = image_runs[index]
+    assert "error" not in expected, expected.get("error")
+    assert (len(expected["rows"]) < 48) == (index == 0)  # 640 tokens: the filter drops the rows with large images
+    assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
+
+
+@pytest.mark.parametrize(
+    "kind,with_images,limit", [("frames", False, 700), ("file", False, 1100), ("frames", True, 2048)]
+)
+def test_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kind, with_images, limit):
+    """Video items are the row's own sources; the filter measures each video from its header (at 700 tokens
+    it drops a frame-list row with two long videos)."""
+    files = write_video_parquet(tmp_path / "data", 12, kind=kind, with_images=with_images)
+    config = {"filter_overlong_prompts": True, "max_prompt_length": limit}
+    expected = _verl(files, model_dir, [config], tmp_path / "verl-cache", processor=model_dir)[0]
+    assert "error" not in expected, expected.get("error")
+    assert (len(expected["rows"]) < 12) == (limit == 700)  # the filter drops rows with two long videos
+    assert_same_batches(_ours(files, model_dir, config, processor=model_dir), expected["batches"])
