@@ -32,21 +32,41 @@ def _processor(path):
 
 
 FIT_START = "batch: DataProto = DataProto.from_single_dict(batch_dict)"
-FIT_END = "non_tensor_batch_keys=non_tensor_batch_keys_to_pop,"
+FIT_END = "non_tensor_batch_keys=non_tensor_batch_keys_to_pop,"  # 0.5.0: the pop is inline in fit
+FIT_END_GEN_BATCH = "gen_batch = self._get_gen_batch(batch)"  # 0.6 and later
+SAVE_START = 'dataloader_local_path = os.path.join(local_global_step_folder, "data.pt")'
+SAVE_END = "torch.save(dataloader_state_dict, dataloader_local_path)"
+LOAD_START = 'dataloader_local_path = os.path.join(global_step_folder, "data.pt")'
+LOAD_END = 'print(f"Warning: No dataloader state found at {dataloader_local_path}, will start from scratch")'
 
 
-def _fit_generation_pops():
-    """The code ``RayPPOTrainer.fit`` runs on each dataloader batch up to the generation pop, as source text."""
-    import textwrap
+def _trainer_source() -> str:
     from pathlib import Path
 
     import verl
 
-    source = (Path(verl.__file__).parent / "trainer" / "ppo" / "ray_trainer.py").read_text()
-    start = source.index(FIT_START)
-    end = source.index(")", source.index(FIT_END, start)) + 1
+    return (Path(verl.__file__).parent / "trainer" / "ppo" / "ray_trainer.py").read_text()
+
+
+def _lines(source: str, start_marker: str, end_marker: str, end_char: str = "", after: int = 0) -> str:
+    """The whole lines of ``source`` from the one holding ``start_marker`` to ``end_marker`` (and then up to the next
+    ``end_char``), dedented: verl's own statements, to run as they stand."""
+    import textwrap
+
+    start = source.index(start_marker, after)
+    end = source.index(end_marker, start) + len(end_marker)
+    if end_char:
+        end = source.index(end_char, end - 1) + 1
     line_start = source.rindex("\n", 0, start) + 1
     return textwrap.dedent(source[line_start:end])
+
+
+def _fit_generation_pops():
+    """The code ``RayPPOTrainer.fit`` runs on each dataloader batch up to the generation pop, as source text."""
+    source = _trainer_source()
+    if FIT_END in source:
+        return _lines(source, FIT_START, FIT_END, ")")
+    return _lines(source, FIT_START, FIT_END_GEN_BATCH)
 
 
 def _plain(proto):
@@ -80,6 +100,97 @@ def dataproto(spec):
     return {"code": code, "batches": results}
 
 
+def trainer(spec):
+    """verl's ``RayPPOTrainer`` code with ``ingest_trainer``'s dataloaders: ``_create_dataloader`` (lengths, the steps
+    arithmetic), ``fit``'s lines on each batch up to the rollout hand-off (``DataProto``, uid, the generation pops,
+    ``repeat``), ``data.pt`` saved after ``save_after`` steps by verl's own lines, then a second trainer that loads it
+    by verl's own lines and runs on to the end. Per step: the popped keys and the rows' ``index`` values."""
+    import uuid
+
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from ingest.verl import ingest_trainer
+
+    source = _trainer_source()
+    fit_lines = _fit_generation_pops()
+    # from the folder's creation just before it (local_mkdir_safe) to the torch.save
+    save_at = source.rindex("local_mkdir_safe(local_global_step_folder)", 0, source.index(SAVE_START))
+    save_lines = _lines(source, "local_mkdir_safe", SAVE_END, after=save_at)
+    load_lines = _lines(source, LOAD_START, LOAD_END)
+    trainer_cls = ingest_trainer(RayPPOTrainer)
+
+    def new_trainer():
+        trainer = object.__new__(trainer_cls)  # no worker groups: only the data side of the trainer runs
+        trainer.config = OmegaConf.create(spec["trainer_config"])
+        trainer.tokenizer = _tokenizer(spec["tokenizer"])
+        trainer.processor = _processor(spec.get("processor"))
+        trainer.async_rollout_mode = False
+        trainer.global_steps = 0
+        trainer._create_dataloader(None, None, None, None)
+        return trainer
+
+    def run(trainer, stop_after=None):
+        steps = []
+        total_epochs = trainer.config.trainer.total_epochs
+        start_epoch = trainer.global_steps // len(trainer.train_dataloader)
+        for _epoch in range(start_epoch, total_epochs):
+            for batch_dict in trainer.train_dataloader:
+                scope = {"self": trainer, "DataProto": DataProto, "batch_dict": batch_dict, "np": np, "uuid": uuid}
+                exec(fit_lines, scope)  # verl's own lines: from_single_dict, uid, the generation pops
+                gen_batch, batch = scope["gen_batch"], scope["batch"]
+                repeated = gen_batch.repeat(repeat_times=trainer.config.actor_rollout_ref.rollout.n, interleave=True)
+                trainer.global_steps += 1
+                steps.append(
+                    {
+                        "gen_tensors": sorted(gen_batch.batch.keys()) if gen_batch.batch is not None else [],
+                        "gen_non_tensors": sorted(gen_batch.non_tensor_batch),
+                        "rest_non_tensors": sorted(batch.non_tensor_batch),
+                        "index": [int(i) for i in gen_batch.non_tensor_batch["index"]],
+                        "repeated": len(repeated),
+                    }
+                )
+                if trainer.global_steps >= trainer.total_training_steps:
+                    return steps
+                if stop_after is not None and trainer.global_steps == stop_after:
+                    folder = os.path.join(spec["checkpoint_dir"], f"global_step_{trainer.global_steps}")
+                    exec(  # verl's own lines
+                        save_lines,
+                        {
+                            "self": trainer,
+                            "os": os,
+                            "torch": torch,
+                            "local_global_step_folder": folder,
+                            "local_mkdir_safe": lambda p: os.makedirs(p, exist_ok=True),
+                        },
+                    )
+                    return steps
+        return steps
+
+    first = new_trainer()
+    result = {
+        "len_train": len(first.train_dataloader),
+        "len_val": len(first.val_dataloader),
+        "total_training_steps": first.total_training_steps,
+        "optim_steps": first.config.actor_rollout_ref.actor.optim.total_training_steps,
+        "critic_steps": first.config.critic.optim.total_training_steps,
+        "val_batches": [len(b["index"]) for b in first.val_dataloader],
+    }
+    result["uninterrupted"] = run(first)
+    before = new_trainer()
+    result["before"] = run(before, stop_after=spec["save_after"])
+    resumed = new_trainer()
+    resumed.global_steps = spec["save_after"]
+    folder = os.path.join(spec["checkpoint_dir"], f"global_step_{spec['save_after']}")
+    exec(load_lines, {"self": resumed, "os": os, "torch": torch, "global_step_folder": folder})
+    result["after"] = run(resumed)
+    result["fit_lines"], result["save_lines"], result["load_lines"] = fit_lines, save_lines, load_lines
+    return result
+
+
 def _exit_with_parent() -> None:
     """Linux: get SIGTERM when the process that started us dies, then kill our whole process group (a killed
     ``ingest bench`` left this runner and its DataLoader workers running, skewing the next measurement)."""
@@ -105,6 +216,10 @@ def main():
     if mode == "dataproto":  # no tokenizer: the batches come from our side
         with open(spec["out"], "wb") as f:
             pickle.dump(dataproto(spec), f)
+        return
+    if mode == "trainer":
+        with open(spec["out"], "wb") as f:
+            pickle.dump(trainer(spec), f)
         return
 
     # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch

@@ -1,0 +1,24 @@
+"""Dropping the pipeline into verl's trainer: ``VerlDataLoader`` (what ``RayPPOTrainer`` iterates, counts, saves and
+restores) and ``ingest_trainer`` (a ``RayPPOTrainer`` of any verl release whose dataloaders are ours)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ingest.lazy import lazy_exports
+
+_EXPORTS = {
+    "VerlDataLoader": "ingest.verl.loader",
+    "count_rows": "ingest.verl.length",
+    "ingest_trainer": "ingest.verl.trainer",
+}
+
+__all__ = ["VerlDataLoader", "count_rows", "ingest_trainer"]
+
+if TYPE_CHECKING:
+    from ingest.verl.length import count_rows
+    from ingest.verl.loader import VerlDataLoader
+    from ingest.verl.trainer import ingest_trainer
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,0 +1,96 @@
+"""How many rows an epoch yields (after the overlong filter and quarantine), counted once per data and settings.
+
+``len()`` of a verl dataloader sets verl's total training steps, so it must never promise more batches than an
+epoch gives: a Parquet footer counts rows before the filter and the bad-row policy, so the count here is the
+pipeline's own, from one pass over the data (the rows' ids and media headers; images are decoded too, as a corrupt
+one is only found there). The result is kept in ``cache_dir`` under a key of everything that decides it: the files
+(paths, row groups, schema, local size and modification time), the row-shaping config and the model paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from ingest.config import DataConfig
+from ingest.datasets.plan import FilesArg, plan_input
+
+logger = logging.getLogger(__name__)
+
+CACHE_FILE = "ingest-epoch-rows.json"
+# config keys that change where or how fast rows are made, never which rows come out
+_LAYOUT_KEYS = frozenset(
+    {
+        "storage_options",
+        "shuffle",
+        "seed",
+        "cache_dir",
+        "use_shm",
+        "filter_overlong_prompts_workers",
+        "arrow_memory_pool",
+    }
+)
+
+
+def _file_identity(path: str) -> list:
+    try:
+        stat = os.stat(path.removeprefix("file://"))
+        return [stat.st_size, stat.st_mtime_ns]
+    except OSError:  # remote: its footer (row groups, schema) stands for it
+        return []
+
+
+def count_key(files: FilesArg, tokenizer, config: DataConfig, processor=None) -> str:
+    """The cache key of an epoch's row count: files (footers, local size and mtime), row-shaping config, models."""
+    plan = plan_input(files, config, multimodal=processor is not None)
+    settings = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in _LAYOUT_KEYS and not k.endswith(("_pool_min_size", "_pool_max_size", "_num_cpus", "_num_gpus"))
+    }
+    identity = {
+        "files": [
+            [info.path, list(info.row_group_rows), str(info.schema), _file_identity(info.path)] for info in plan.infos
+        ],
+        "config": settings,
+        "models": [str(tokenizer), str(processor)],
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *, cache: bool = True) -> int:
+    """Rows one epoch of ``build_dataset(files, tokenizer, config, processor)`` yields: from the cache, else counted by
+    running the pipeline once (in parallel, nothing collated) and cached."""
+    from ingest.datasets.rl import build_dataset
+
+    path = Path(os.path.expanduser(config.cache_dir)) / CACHE_FILE
+    key = count_key(files, tokenizer, config, processor)
+    known = _read(path) if cache else {}
+    if key in known:
+        return int(known[key])
+    rows = 0
+    for block in build_dataset(files, tokenizer, config, processor).iter_batches(
+        batch_size=None, batch_format="pyarrow"
+    ):
+        rows += block.num_rows
+    logger.info("counted %d rows per epoch (cached in %s)", rows, path)
+    if cache:
+        _write(path, {**_read(path), key: rows})
+    return rows
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, counts: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(counts, indent=0, sort_keys=True))
+    tmp.replace(path)  # atomic: concurrent trainers never read half a file

@@ -1,0 +1,111 @@
+"""``ingest.verl``: the dataloader adapter inside verl's own ``RayPPOTrainer`` code, for verl 0.5.0, 0.6.1 and 0.9.1
+(each in its oracle environment, on CPU): ``_create_dataloader`` and its steps arithmetic, ``fit``'s lines on every
+batch up to the rollout hand-off, ``data.pt`` saved and loaded by verl's own lines, and an exact resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ingest.demo import write_gsm8k_parquet
+from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.verl import VerlDataLoader
+from ingest.verl.length import CACHE_FILE
+
+BATCH, EPOCHS, SAVE_AFTER = 8, 2, 5
+# verl's generation pops per release: 0.5 / 0.6 pop the id tensors, 0.9 rows have none (dummy_tensor stays)
+GEN_TENSORS = {"verl-0.5": ["attention_mask", "input_ids", "position_ids"], "verl-0.9": []}
+GEN_TENSORS["verl-0.6"] = GEN_TENSORS["verl-0.5"]
+# what stays in the batch: 0.5 pops its generation keys only (the uid comes later), 0.6 on keep the reward keys
+REST = {"verl-0.5": ["ability", "data_source", "extra_info", "reward_model"]}
+REST["verl-0.6"] = REST["verl-0.9"] = ["data_source", "extra_info", "reward_model", "uid"]
+
+
+@pytest.fixture(scope="module")
+def trainer_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer-data")
+    train = write_gsm8k_parquet(root / "train", 120, num_files=2, row_group_size=20, long_every=7)
+    val = write_gsm8k_parquet(root / "val", 20, num_files=1, row_group_size=20)
+    return train, val
+
+
+def _data_config(train, val, row_format, cache_dir) -> dict:
+    return {
+        "train_files": train,
+        "val_files": val,
+        "train_batch_size": BATCH,
+        "val_batch_size": None,
+        "max_prompt_length": 160,  # the long rows are filtered: the footers overcount
+        "filter_overlong_prompts": True,
+        "truncation": "left",
+        "shuffle": True,
+        "seed": 7,
+        "dataloader_num_workers": 0,
+        "validation_shuffle": False,
+        "cache_dir": str(cache_dir),
+        "row_format": row_format,
+    }
+
+
+@pytest.mark.parametrize("row_format", ["verl-0.5", "verl-0.6", "verl-0.9"])
+def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir, tmp_path, row_format):
+    if not oracle_available(row_format):
+        pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
+    train, val = trainer_data
+    data = _data_config(train, val, row_format, tmp_path / "cache")
+    ours = VerlDataLoader(train, model_dir, data, BATCH)
+    rows = sum(len(next(iter(batch.values()))) for batch in VerlDataLoader(train, model_dir, data, 1, drop_last=False))
+    assert rows == ours.num_rows < 120  # exact: the filter's rows are not counted (and now cached)
+    assert (tmp_path / "cache" / CACHE_FILE).is_file()
+    spec = {
+        "trainer_config": {
+            "data": data,
+            "trainer": {"total_epochs": EPOCHS, "total_training_steps": None, "default_local_dir": str(tmp_path)},
+            "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}, "rollout": {"n": 2, "temperature": 1.0}},
+            "critic": {"optim": {"lr": 1e-5}},
+        },
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+        "save_after": SAVE_AFTER,
+    }
+    result = run_verl("trainer", [], model_dir, None, row_format=row_format, timeout=900, **spec)
+    steps_per_epoch = rows // BATCH
+    assert result["len_train"] == steps_per_epoch and result["len_val"] == 1
+    assert result["total_training_steps"] == steps_per_epoch * EPOCHS
+    assert result["optim_steps"] == result["critic_steps"] == steps_per_epoch * EPOCHS
+    assert result["val_batches"] == [20]
+    whole = result["uninterrupted"]
+    assert len(whole) == steps_per_epoch * EPOCHS  # len() promised exactly the batches the epochs gave
+    for step in whole:
+        assert step["gen_tensors"] == GEN_TENSORS[row_format]
+        assert step["rest_non_tensors"] == REST[row_format]
+        assert step["repeated"] == 2 * BATCH
+    for epoch in range(EPOCHS):
+        indices = [i for step in whole[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch] for i in step["index"]]
+        assert len(set(indices)) == len(indices)  # no row twice in an epoch
+    assert [s["index"] for s in whole[:steps_per_epoch]] != [s["index"] for s in whole[steps_per_epoch:]]
+    # data.pt by verl's own save and load lines: the resumed trainer runs exactly the steps not yet run
+    assert len(result["before"]) == SAVE_AFTER
+    assert [s["index"] for s in result["before"] + result["after"]] == [s["index"] for s in whole]
+    assert "torch.save(dataloader_state_dict" in result["save_lines"]
+    assert "load_state_dict(dataloader_state_dict)" in result["load_lines"]
+
+
+def test_state_survives_torch_save_and_load(ray_session, trainer_data, model_dir, tmp_path):
+    """``data.pt`` as verl writes and reads it (``torch.save``; ``torch.load(weights_only=False)``, and the safe
+    ``weights_only=True`` too: the state is plain JSON values)."""
+    train, _ = trainer_data
+    data = _data_config(train, train, "verl-0.5", tmp_path / "cache")
+    loader = VerlDataLoader(train, model_dir, data, BATCH)
+    seen = []
+    for i, batch in enumerate(loader):
+        seen.append(batch["input_ids"])
+        if i == 2:
+            torch.save(loader.state_dict(), tmp_path / "data.pt")
+            break
+    whole = [b["input_ids"] for b in VerlDataLoader(train, model_dir, data, BATCH)]
+    for weights_only in (False, True):
+        resumed = VerlDataLoader(train, model_dir, data, BATCH, num_rows=loader.num_rows)
+        resumed.load_state_dict(torch.load(tmp_path / "data.pt", weights_only=weights_only))
+        rest = [b["input_ids"] for b in resumed]
+        assert len(seen) + len(rest) == len(whole) == len(loader)
+        assert all(torch.equal(a, b) for a, b in zip(seen[:3] + rest, whole, strict=True))
