@@ -22,6 +22,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
         return 0
+    if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9, cold (--rows: text rows, image rows)
+        from ingest.devtools.verl09_bench import bench_verl09
+
+        text_rows, image_rows = (args.rows or [200_000, 5_000]) + [0] * (2 - len(args.rows or [0, 0]))
+        print(json.dumps(bench_verl09(text_rows, image_rows, work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
         from ingest.devtools.bench import bench_refs
 
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ingest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision"])
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--skip-verl", action="store_true")

@@ -251,7 +251,10 @@ def main():
             batches = [collate_fn(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
             result["runs"].append({"rows": rows, "batches": batches})
     elif mode == "bench":
-        from torch.utils.data import DataLoader
+        if spec.get("stateful"):  # what verl's trainer iterates
+            from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
+        else:
+            from torch.utils.data import DataLoader
 
         dataset = RLHFDataset(spec["files"], tokenizer, config, processor)
         loader = DataLoader(
@@ -265,7 +268,7 @@ def main():
         for batch in loader:
             if first is None:
                 first = time.perf_counter() - started
-            rows += len(batch["input_ids"])
+            rows += len(next(iter(batch.values())))  # every key has one entry per row
         total = time.perf_counter() - started
         result = {"rows": rows, "seconds": total, "time_to_first_batch_s": first, "rows_per_s": rows / total}
     else:

@@ -1,0 +1,163 @@
+"""``python -m ingest bench verl09``: verl 0.9.1 (``RLHFDataset`` + ``StatefulDataLoader``) against this pipeline's
+``row_format: verl-0.9`` rows on the same data, both cold, in one run.
+
+Each side runs in a new process: verl in its oracle environment (transformers 5.9), ours with nothing started before
+the clock (``build_dataset`` starts the local Ray: a brand-new session, as a first run meets it). Clocks start where
+the dataset is built (verl: ``RLHFDataset(...)``, tokenizer and processor loads included on both sides) and stop at
+the last batch. Peak memory is the largest sum of PSS over the process and all its descendants (DataLoader workers;
+Ray's GCS, raylet, workers, whose PSS holds the object store pages they map), sampled every 0.2 s from
+``/proc/<pid>/smaps_rollup``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, geo3k_files, gsm8k_files
+from ingest.devtools.session import cache_dir, machine
+
+ROW_FORMAT = "verl-0.9"
+SAMPLE_EVERY_S = 0.2
+MIB = 1 << 20
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class TreePss(threading.Thread):
+    """The largest PSS sum over ``pid`` and its descendants until ``stop()``."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._halt = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self._halt.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                pids = [self.pid] + [p.pid for p in root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            self.peak = max(self.peak, sum(_pss(p) for p in pids))
+            self._halt.wait(SAMPLE_EVERY_S)
+
+    def stop(self) -> float:
+        self._halt.set()
+        self.join()
+        return round(self.peak / MIB, 1)
+
+
+def _measured(command: list[str], env: dict, cwd: str) -> dict:
+    """Run ``command`` with its tree's peak PSS sampled; what it printed last, where that is a JSON object."""
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        sampler = TreePss(proc.pid)
+        sampler.start()
+        stdout, stderr = proc.communicate()
+        peak = sampler.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{command[:4]} failed ({proc.returncode}):\n{stderr[-4000:]}")
+    last = (stdout.strip().splitlines() or [""])[-1]
+    return {**(json.loads(last) if last.startswith("{") else {}), "peak_pss_mib": peak}
+
+
+def run_ours_cold(files: list[str], model: str, config: dict, processor: str | None) -> dict:
+    """In this (new) process: the clock from ``build_dataset`` (which starts Ray) to the last collated batch."""
+    import torch  # noqa: F401  (a trainer has torch loaded)
+
+    from ingest import VerlCollate, build_dataset
+
+    started = time.perf_counter()
+    ds = build_dataset(files, model, {**config, "row_format": ROW_FORMAT}, processor=processor)
+    first, rows = None, 0
+    for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate(row_format=ROW_FORMAT)):
+        if first is None:
+            first = time.perf_counter() - started
+        rows += len(batch["dummy_tensor"])
+    seconds = time.perf_counter() - started
+    return {"rows": rows, "seconds": seconds, "time_to_first_batch_s": first, "rows_per_s": rows / seconds}
+
+
+def _ours(files: list[str], model: str, config: dict, processor: str | None, work: Path) -> dict:
+    spec = {"files": files, "model": model, "config": config, "processor": processor}
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a new session, never a cluster left running on the machine
+    return _measured([sys.executable, "-m", __name__, json.dumps(spec)], env, str(work))
+
+
+def _verl(files: list[str], model: str, config: dict, processor: str | None, work: Path) -> dict:
+    from ingest.devtools.oracle import RUNNER, oracle_available, oracle_dir
+
+    if not oracle_available(ROW_FORMAT):
+        raise RuntimeError(f"the verl 0.9.1 oracle is not installed in {oracle_dir(ROW_FORMAT)} (run `make oracle`)")
+    out = work / "verl09-out.pkl"
+    spec = {
+        "files": files,
+        "tokenizer": model,
+        "processor": processor,
+        "config": {**config, "cache_dir": str(work / "verl-cache")},
+        "out": str(out),
+        "batch_size": BATCH_SIZE,
+        "num_workers": 2,
+        "stateful": True,
+    }
+    env = {**os.environ, "PYTHONPATH": str(oracle_dir(ROW_FORMAT)), "TOKENIZERS_PARALLELISM": "false"}
+    env["HF_DATASETS_CACHE"] = str(work / f"hf-datasets-{time.time_ns()}")  # cold: verl's filter runs again
+    env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+    measured = _measured([sys.executable, str(RUNNER), "bench", json.dumps(spec)], env, str(work))
+    import pickle
+
+    with open(out, "rb") as f:
+        return {**pickle.load(f), **measured}
+
+
+def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: str | None = None) -> dict:
+    """Text (gsm8k-shaped, 1% overlong) and image (geo3k-shaped) rows, filter on, batch 64: verl 0.9.1, then ours."""
+    from ingest.tokenizer.offline import build_offline_model_dir
+
+    model = str(build_offline_model_dir())
+    work = cache_dir(work_dir)
+    result = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "sizes": []}
+    cases = []
+    if text_rows:
+        cases.append(("text", text_rows, gsm8k_files(work, text_rows), None, BENCH_CONFIG))
+    if image_rows:
+        cases.append(
+            ("images", image_rows, geo3k_files(work, image_rows), model, {**BENCH_CONFIG, "truncation": "left"})
+        )
+    for kind, rows, files, processor, config in cases:
+        verl = _verl(files, model, config, processor, work)
+        ours = _ours(files, model, config, processor, work)
+        assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, ours {ours['rows']}"
+        entry = {
+            "kind": kind,
+            "rows": rows,
+            "verl": verl,
+            "ours": ours,
+            "first_batch_sooner_x": round(verl["time_to_first_batch_s"] / ours["time_to_first_batch_s"], 1),
+            "ratio_rows_per_s": round(ours["rows_per_s"] / verl["rows_per_s"], 2),
+            "peak_pss_ratio": round(ours["peak_pss_mib"] / verl["peak_pss_mib"], 2),
+        }
+        result["sizes"].append(entry)
+        print(json.dumps(entry), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    measured = run_ours_cold(spec["files"], spec["model"], spec["config"], spec["processor"])
+    print(json.dumps(measured))
