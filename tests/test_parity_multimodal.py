@@ -370,3 +370,18 @@ def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, mode
     deferred = decoded_blocks(geo3k_files, model_dir, defer_jpeg=True)
     jpegs = [x for b in deferred for row in b.column("_media_deferred_jpeg").to_pylist() if row for x in row if x]
     assert jpegs and all(x[:2] == b"\xff\xd8" for x in jpegs)
+
+
+def test_qwen25_vl_rows_equal_verl(ray_session, geo3k_files, model_dir, tmp_path_factory):
+    """A Qwen2.5-VL processor (built offline: the embedded vocabulary, Qwen2.5-VL's class and pixel budget): verl
+    0.5.0 takes its Qwen2-VL rope branch; every key equal, large images kept larger than Qwen2-VL's budget allows."""
+    from ingest.devtools.samples import qwen25_vl_model_dir
+
+    if not oracle_available():
+        pytest.skip("verl 0.5.0 oracle not installed (make oracle)")
+    model = qwen25_vl_model_dir(tmp_path_factory.mktemp("qwen25-vl"), model_dir)
+    config = {**CONFIGS[1], "cache_dir": str(tmp_path_factory.mktemp("verl-cache"))}
+    expected = run_verl("rows", geo3k_files, model, None, configs=[config], batch_size=BATCH, processor=model)
+    expected = expected["runs"][0]
+    assert "error" not in expected, expected.get("error")
+    assert_same_batches(_ours(geo3k_files, model, CONFIGS[1]), expected["batches"])

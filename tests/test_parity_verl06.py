@@ -1,5 +1,5 @@
 """``row_format: verl-0.6`` against verl 0.6.1 itself: same keys, dtypes, shapes, values, row count and order, batch
-by batch (text prompts; the processor path is not built yet and says so)."""
+by batch: text prompts, and image prompts with Qwen2-VL and Qwen2.5-VL processors ((4, M) positions)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from ingest import DataConfig, VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.samples import qwen25_vl_model_dir, write_video_parquet
 from tests.support.compare import assert_same_batches
 from tests.test_parity_text import BATCH, CONFIGS
 
@@ -19,14 +20,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _ours(files, model_dir, config: dict) -> list[dict]:
-    ds = build_dataset(files, model_dir, {**config, "shuffle": False, "row_format": ROW_FORMAT})
-    return list(ds.iter_torch_batches(batch_size=BATCH, collate_fn=VerlCollate(row_format=ROW_FORMAT)))
+def _ours(files, model_dir, config: dict, processor=None, batch_size: int = BATCH) -> list[dict]:
+    ds = build_dataset(files, model_dir, {**config, "shuffle": False, "row_format": ROW_FORMAT}, processor=processor)
+    return list(ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate(row_format=ROW_FORMAT)))
 
 
-def _verl(files, model_dir, configs: list[dict], cache) -> list[dict]:
+def _verl(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
     configs = [{**c, "cache_dir": str(cache)} for c in configs]
-    return run_verl("rows", files, model_dir, None, configs=configs, batch_size=BATCH, row_format=ROW_FORMAT)["runs"]
+    extra = {"configs": configs, "batch_size": batch_size, "processor": processor}
+    return run_verl("rows", files, model_dir, None, row_format=ROW_FORMAT, **extra)["runs"]
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +61,40 @@ def test_rows_without_or_with_null_extra_info_equal_verl_06(ray_session, model_d
         assert_same_batches(_ours([path], model_dir, config), expected["batches"])
 
 
-def test_the_processor_path_is_refused_until_it_is_built(model_dir):
-    with pytest.raises(ValueError, match="row_format verl-0.6 is built for text prompts so far"):
-        build_dataset(["unused.parquet"], model_dir, {"row_format": ROW_FORMAT}, processor=model_dir)
-
-
 def test_unknown_row_formats_are_refused():
     with pytest.raises(ValueError, match="row_format must be one of"):
         DataConfig(row_format="verl-0.7")
     with pytest.raises(ValueError, match="row_format must be one of"):
         VerlCollate(row_format="0.6")
+
+
+IMAGE_CONFIGS = [
+    {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},
+    {"truncation": "right", "filter_overlong_prompts": True, "return_full_prompt": True, "max_prompt_length": 1536},
+]
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_image_rows_equal_verl_06(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
+    """Every image kind through the processor path: (4, M) positions (a text row, pads 1, over the three rope rows),
+    PIL images, ``pixel_values`` and grids exactly verl 0.6.1's; Qwen2.5-VL with its larger pixel budget."""
+    model = model_dir if family == "qwen2-vl" else qwen25_vl_model_dir(tmp_path_factory.mktemp("qwen25-vl"), model_dir)
+    runs = _verl(geo3k_files, model, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), model, batch_size=8)
+    for config, expected in zip(IMAGE_CONFIGS, runs, strict=True):
+        assert "error" not in expected, expected.get("error")
+        ours = _ours(geo3k_files, model, config, processor=model, batch_size=8)
+        assert ours[0]["position_ids"].shape[1] == 4
+        assert_same_batches(ours, expected["batches"])
+
+
+def test_videos_and_other_processors_are_refused_before_reading(ray_session, model_dir, tmp_path):
+    """verl 0.6's video tuples and Qwen3-VL positions are not built: one error naming them, before any data is read."""
+    files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
+    with pytest.raises(ValueError, match="video tuples are not built"):
+        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=model_dir)
+    qwen3 = tmp_path / "qwen3-vl"
+    qwen25_vl_model_dir(qwen3, model_dir)
+    config = qwen3 / "processor_config.json"
+    config.write_text(config.read_text().replace("Qwen2_5_VLProcessor", "Qwen3VLProcessor"))
+    with pytest.raises(ValueError, match="is a Qwen3VLProcessor"):
+        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=str(qwen3))

@@ -11,7 +11,7 @@ import pytest
 from ingest import VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.devtools.samples import write_video_parquet
+from ingest.devtools.samples import qwen25_vl_model_dir, write_video_parquet
 from tests.support.compare import assert_same_batches
 
 ROW_FORMAT = "verl-0.9"
@@ -86,6 +86,15 @@ def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_run
     assert "error" not in expected, expected.get("error")
     assert (len(expected["rows"]) < 48) == (index == 0)  # 640 tokens: the filter drops the rows with large images
     assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
+
+
+def test_qwen25_vl_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, tmp_path_factory):
+    """A Qwen2.5-VL processor: its larger pixel budget changes which rows the filter drops at 2048 tokens."""
+    model = qwen25_vl_model_dir(tmp_path_factory.mktemp("qwen25-vl"), model_dir)
+    config = {"filter_overlong_prompts": True, "max_prompt_length": 2048}
+    expected = _verl(geo3k_files, model, [config], tmp_path_factory.mktemp("verl-cache"), processor=model)[0]
+    assert "error" not in expected, expected.get("error")
+    assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
 
 
 @pytest.mark.parametrize(

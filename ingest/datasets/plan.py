@@ -75,6 +75,35 @@ def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokeni
         raise ModelLoadError(f"{what} directory has no {' or '.join(wanted)}: {path}")
 
 
+# the processors whose rows each row format builds (verl's Qwen2-VL rope branch: Qwen2-VL and Qwen2.5-VL)
+_QWEN2_VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+
+
+def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan: InputPlan) -> None:
+    """A processor family or a medium that ``cfg.row_format`` does not build: one error naming both, before any data
+    is read (a processor given by hub name is checked in the actors, where it loads)."""
+    if processor is None:
+        return
+    from ingest.media.geometry import processor_class
+    from ingest.tokenizer.offline import resolve_model_path
+
+    path = resolve_model_path(processor)
+    family = processor_class(path) if os.path.isdir(path) else None
+    if family is not None and cfg.row_format in ("verl-0.5", "verl-0.6") and family not in _QWEN2_VL_PROCESSORS:
+        raise ValueError(
+            f"row_format {cfg.row_format} builds the rows of the Qwen2-VL family ({', '.join(_QWEN2_VL_PROCESSORS)}); "
+            f"the processor {processor} is a {family} (verl-0.9 rows carry the media for any processor)"
+        )
+    if cfg.row_format == "verl-0.6":
+        with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
+        if with_videos:
+            raise ValueError(
+                f"row_format verl-0.6 with a processor builds image and text rows; {_describe(with_videos[0])} has a "
+                f"{cfg.video_key!r} column (verl 0.6's (frames, metadata) video tuples are not built yet: use "
+                "verl-0.5 or verl-0.9 rows)"
+            )
+
+
 def units_source(plan: InputPlan, cfg: DataConfig, epoch: int = 0, ledger=None) -> ParquetUnitsDatasource:
     """The read of ``plan``'s units in order (seeded row order when shuffling), with the bad-input policy."""
     return ParquetUnitsDatasource(

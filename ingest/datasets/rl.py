@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from ingest.config import DataConfig
-from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
+from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, check_row_format, plan_input
 from ingest.datasets.pools import actor_kwargs, map_on_pool, read_units_into_pool
 
 
@@ -35,15 +35,11 @@ def build_dataset(
     ``plan``: read only these units (resume); ``keep_provenance``: keep the ``_ingest_file`` / ``_ingest_row`` columns.
     """
     cfg = DataConfig.from_any(config)
-    if processor is not None and cfg.row_format == "verl-0.6":
-        raise ValueError(
-            f"row_format {cfg.row_format} is built for text prompts so far; with a processor (image and video "
-            "prompts) use row_format verl-0.5 or verl-0.9"
-        )
     check_model_path(tokenizer)
     if processor is not None:
         check_model_path(processor, "processor")
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
+    check_row_format(cfg, processor, plan)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
     context = plan.context(ledger, keep_provenance)

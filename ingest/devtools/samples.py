@@ -262,3 +262,31 @@ def write_video_parquet(
     path = out / f"video-{kind}.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
     return [str(path)]
+
+
+# Qwen2.5-VL's published processor settings beside Qwen2-VL's (Qwen/Qwen2.5-VL-*-Instruct preprocessor_config.json):
+# the same patch / merge / temporal sizes and CLIP mean / std, its own class and a larger pixel budget
+QWEN25_VL_PIXELS = {"shortest_edge": 3136, "longest_edge": 12845056}
+
+
+def qwen25_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | None = None) -> str:
+    """A Qwen2.5-VL processor directory built offline: the embedded vocabulary and chat template (``base``: the
+    embedded Qwen2-VL directory) with Qwen2.5-VL's processor class and pixel budget."""
+    import json
+    import shutil
+
+    from ingest.tokenizer.offline import build_offline_model_dir
+
+    out = Path(out_dir)
+    if (out / "preprocessor_config.json").is_file():
+        return str(out)
+    shutil.copytree(base or build_offline_model_dir(), out, dirs_exist_ok=True)
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        path = out / name
+        config = json.loads(path.read_text())
+        config["processor_class"] = "Qwen2_5_VLProcessor"
+        image = config.get("image_processor", config) if name == "processor_config.json" else config
+        if "size" in image:
+            image["size"] = dict(QWEN25_VL_PIXELS)
+        path.write_text(json.dumps(config, indent=2))
+    return str(out)

@@ -30,6 +30,17 @@ def image_processor_config(path: str | Path) -> dict:
     return {}
 
 
+def processor_class(path: str | Path) -> str | None:
+    """The processor class a saved processor directory names (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ...)."""
+    path = Path(path)
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            found = json.loads((path / name).read_text()).get("processor_class")
+            if found:
+                return str(found)
+    return None
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """The image processor's geometry (Qwen2-VL family), read from a processor directory."""

@@ -77,14 +77,14 @@ def _images(column: pa.Array) -> list[list | None]:
     return rows
 
 
-def _media_data(column: pa.ChunkedArray) -> list[dict]:
+def _media_data(column: pa.ChunkedArray, keep_empty: bool = True) -> list[dict]:
     """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` per row, rebuilt at the consumer (modalities the row
-    has; ``{}`` for a row without media). Chunk by chunk: a batch spanning blocks would otherwise copy its pixels
-    once more before PIL copies them."""
-    return [row for chunk in column.chunks for row in _media_data_chunk(chunk)]
+    has; ``{}`` for a row without media; ``keep_empty`` False: nor for an empty list, as verl 0.6). Chunk by chunk: a
+    batch spanning blocks would otherwise copy its pixels once more before PIL copies them."""
+    return [row for chunk in column.chunks for row in _media_data_chunk(chunk, keep_empty)]
 
 
-def _media_data_chunk(column: pa.Array) -> list[dict]:
+def _media_data_chunk(column: pa.Array, keep_empty: bool) -> list[dict]:
     names = [column.type.field(i).name for i in range(column.type.num_fields)]
     images = _images(column.field("image")) if "image" in names else [None] * len(column)
     videos = column.field("video").to_pylist() if "video" in names else [None] * len(column)
@@ -92,9 +92,9 @@ def _media_data_chunk(column: pa.Array) -> list[dict]:
     out = []
     for i in range(len(column)):
         row = {}
-        if valid[i] and images[i] is not None:
+        if valid[i] and images[i] is not None and (keep_empty or images[i]):
             row["image"] = images[i]
-        if valid[i] and videos[i] is not None:
+        if valid[i] and videos[i] is not None and (keep_empty or videos[i]):
             row["video"] = [_video_from_record(r) for r in videos[i]]
         out.append(row)
     return out
@@ -192,7 +192,8 @@ class VerlCollate(ArrowBatchCollateFn):
                 tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
                 tensors[name] = tensor.to(self.device) if self.device is not None else tensor
             elif name == "multi_modal_data":
-                others[name] = object_array(_media_data(column), one_dimensional=self.one_dimensional)
+                media = _media_data(column, keep_empty=self.row_format == "verl-0.5")
+                others[name] = object_array(media, one_dimensional=self.one_dimensional)
             elif name == "multi_modal_inputs":
                 others[name] = object_array(_media_inputs(column, self.device), one_dimensional=self.one_dimensional)
             else:

@@ -60,3 +60,11 @@ def rope_position_ids(
         parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + st_idx)
     positions[:, attention_mask == 1] = np.concatenate(parts, axis=1).reshape(3, -1)
     return positions
+
+
+def with_text_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """verl 0.6's (B, 4, M) positions: a text row (0, 1, ... over the valid tokens, 1 on pads) on top of the (B, 3, M)
+    rope rows."""
+    mask = attention_mask.astype(bool)
+    text = np.where(mask, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
+    return np.concatenate([text[:, None, :], position_ids], axis=1)

@@ -35,7 +35,7 @@ from ingest.media.geometry import IMAGE_PAD, VIDEO_PAD, VISION_START, VisionSpec
 from ingest.media.image import image_size, read_image_bytes
 from ingest.media.video import VideoPlan, probe_video
 from ingest.rowformat.messages import build_messages, validate_messages
-from ingest.rowformat.rope import rope_position_ids
+from ingest.rowformat.rope import rope_position_ids, with_text_positions
 from ingest.rowformat.text import extra_info_columns, flatten_ids, list_column, pad_flat, tensor_column, truncate
 from ingest.tokenizer.chat import ChatTokenizer
 
@@ -269,6 +269,8 @@ class PromptTokenizeStage:
             )
             if self.vision.is_qwen2_vl:
                 position_ids = self._rope_positions(input_ids, attention_mask, grids, video_grids)
+                if cfg.row_format == "verl-0.6":
+                    position_ids = with_text_positions(position_ids, attention_mask)
             tensors["input_ids"] = tensor_column(input_ids)
             tensors["attention_mask"] = tensor_column(attention_mask)
             tensors["position_ids"] = tensor_column(position_ids)
