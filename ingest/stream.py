@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
+from ingest.datasets.local import DriverUnits, driver_can_start
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.rl import build_dataset
 from ingest.read.units import ReadUnit
@@ -57,6 +58,8 @@ class PromptStream:
     ``VerlCollate()``. Iterating yields the rest of the current epoch, then moves the state to the next epoch
     (position 0), so ``for epoch in ...: for batch in stream: ...`` walks epochs. ``drop_last`` drops a final short
     batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
+    ``driver_first_batch``: the rows of each (re)started epoch's first batch are made in this process, the rest by
+    the actors (``datasets.local``; text and verl 0.9 rows): the first batch does not wait for Ray to start.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class PromptStream:
         collate_fn=None,
         drop_last: bool = False,
         ledger=None,
+        driver_first_batch: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -81,6 +85,7 @@ class PromptStream:
         self.collate_fn = collate_fn or VerlCollate(row_format=self.config.row_format)
         self.drop_last = drop_last
         self.ledger = ledger  # a RunLedger actor: counts of what each (re)started epoch read
+        self.driver_first_batch = driver_first_batch
         self.epoch = 0
         self._unit = 0  # position: order index of the unit the next row comes from ...
         self._rows = 0  # ... and how many of its kept rows were already yielded
@@ -138,26 +143,44 @@ class PromptStream:
     def __iter__(self) -> Iterator[dict]:
         plan = self._plan()
         unit_of = _UnitIndex(plan.units)
-        rest = InputPlan(plan.files, plan.infos, plan.units[self._unit :])
-        if rest.units:
+        if plan.units[self._unit :]:
+            yield from self._batched(self._blocks(plan), unit_of)
+        self.set_epoch(self.epoch + 1)
+
+    def _blocks(self, plan: InputPlan) -> Iterator[pa.Table]:
+        """The epoch's blocks from the position on: the first batch's units made in this process where the stages
+        are light (``datasets.local``: no cluster, worker or actor start before it), the rest by ``build_dataset``,
+        created when those rows are used up."""
+        units = plan.units[self._unit :]
+        local = 0
+        if self.driver_first_batch and driver_can_start(self.config, self.processor):
+            driver = DriverUnits(
+                plan, self.config, plan.context(self.ledger, True), self.tokenizer, self.processor, epoch=self.epoch
+            )
+            rows = 0
+            while local < len(units) and rows < self._rows + self.batch_size:  # the rows to skip, then one batch
+                for block in driver(units[local]):
+                    rows += block.num_rows
+                    yield block
+                local += 1
+        if units[local:]:
             ds = build_dataset(
                 plan.files,
                 self.tokenizer,
                 self.config,
                 self.processor,
                 epoch=self.epoch,
-                plan=rest,
+                plan=InputPlan(plan.files, plan.infos, units[local:]),
                 ledger=self.ledger,
                 keep_provenance=True,
             )
-            yield from self._batched(ds, unit_of)
-        self.set_epoch(self.epoch + 1)
+            yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
-    def _batched(self, ds, unit_of: _UnitIndex) -> Iterator[dict]:
+    def _batched(self, blocks: Iterator[pa.Table], unit_of: _UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart
         pending: list[pa.Table] = []
         pending_rows = 0
-        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for block in blocks:
             if skip:
                 dropped = min(skip, block.num_rows)
                 block, skip = block.slice(dropped), skip - dropped

@@ -104,3 +104,41 @@ def test_killed_consumer_resumes_without_loss_or_repeats(ray_session, variety_fi
     assert second.returncode == 0, second.stderr[-3000:]
     seen = [json.loads(line) for line in open(spec["out"])]
     assert [(r["index"], r["ids"]) for r in seen] == _signature(full_epoch)
+
+
+_DRIVER_FIRST = """
+import pickle, sys
+import ray
+from ingest import PromptStream, VerlCollate, build_dataset
+files, model, processor, config, out = pickle.loads(bytes.fromhex(sys.argv[1]))
+collate = VerlCollate(row_format=config["row_format"])
+stream = iter(PromptStream(files, model, config, 16, processor, collate_fn=collate))
+first = next(stream)
+cluster_before_first = ray.is_initialized()
+batches = [first, *stream]
+reference = build_dataset(files, model, config, processor).iter_torch_batches(batch_size=16, collate_fn=collate)
+with open(out, "wb") as f:
+    pickle.dump((cluster_before_first, batches, list(reference)), f)
+"""
+
+
+@pytest.mark.parametrize("row_format,media", [("verl-0.5", False), ("verl-0.9", True)])
+def test_first_batch_is_made_in_the_driver_before_ray_starts(
+    variety_files, geo3k_files, model_dir, tmp_path, row_format, media
+):
+    """A new process: the stream's first batch comes before any Ray cluster exists (the driver ran the read and the
+    stages), and the epoch's batches equal ``build_dataset``'s, key for key (text rows; verl 0.9 image rows)."""
+    import os
+    import pickle
+
+    from tests.support.compare import assert_same_batches
+
+    files, processor = (geo3k_files, model_dir) if media else (variety_files, None)
+    config = {"truncation": "left", "shuffle": False, "row_format": row_format}
+    spec = pickle.dumps((files, model_dir, processor, config, str(tmp_path / "out.pkl"))).hex()
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    subprocess.run([sys.executable, "-c", _DRIVER_FIRST, spec], check=True, env=env, timeout=600, capture_output=True)
+    with open(tmp_path / "out.pkl", "rb") as f:
+        cluster_before_first, batches, reference = pickle.load(f)
+    assert not cluster_before_first
+    assert_same_batches(batches, reference)

@@ -1,5 +1,6 @@
 """``python -m ingest bench verl09``: verl 0.9.1 (``RLHFDataset`` + ``StatefulDataLoader``) against this pipeline's
-``row_format: verl-0.9`` rows on the same data, both cold, in one run.
+``row_format: verl-0.9`` rows on the same data, both cold, in one run: ours as verl's trainer gets it
+(``VerlDataLoader``) and as ``build_dataset`` + ``iter_torch_batches``.
 
 Each side runs in a new process: verl in its oracle environment (transformers 5.9), ours with nothing started before
 the clock (``build_dataset`` starts the local Ray: a brand-new session, as a first run meets it). Clocks start where
@@ -76,25 +77,40 @@ def _measured(command: list[str], env: dict, cwd: str) -> dict:
     return {**(json.loads(last) if last.startswith("{") else {}), "peak_pss_mib": peak}
 
 
-def run_ours_cold(files: list[str], model: str, config: dict, processor: str | None) -> dict:
-    """In this (new) process: the clock from ``build_dataset`` (which starts Ray) to the last collated batch."""
+def run_ours_cold(files: list[str], model: str, config: dict, processor: str | None, loader: str) -> dict:
+    """In this (new) process, the clock from the first call to the last batch. ``loader``: ``VerlDataLoader`` (what
+    verl's trainer iterates: its first batch is made in the driver) or ``iter_torch_batches`` (``build_dataset`` +
+    Ray Data's iterator: every batch from the actors)."""
     import torch  # noqa: F401  (a trainer has torch loaded)
 
     from ingest import VerlCollate, build_dataset
+    from ingest.verl import VerlDataLoader
 
+    config = {**config, "row_format": ROW_FORMAT}
+    collate = VerlCollate(row_format=ROW_FORMAT)
     started = time.perf_counter()
-    ds = build_dataset(files, model, {**config, "row_format": ROW_FORMAT}, processor=processor)
-    first, rows = None, 0
-    for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate(row_format=ROW_FORMAT)):
-        if first is None:
-            first = time.perf_counter() - started
+    if loader == "VerlDataLoader":
+        batches = VerlDataLoader(files, model, config, BATCH_SIZE, processor, drop_last=False, collate_fn=collate)
+    else:
+        ds = build_dataset(files, model, config, processor=processor)
+        batches = ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=collate)
+    marks, rows = [], 0
+    for batch in batches:
+        if len(marks) < 2:
+            marks.append(time.perf_counter() - started)
         rows += len(batch["dummy_tensor"])
     seconds = time.perf_counter() - started
-    return {"rows": rows, "seconds": seconds, "time_to_first_batch_s": first, "rows_per_s": rows / seconds}
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "time_to_first_batch_s": marks[0],
+        "time_to_second_batch_s": marks[-1],
+        "rows_per_s": rows / seconds,
+    }
 
 
-def _ours(files: list[str], model: str, config: dict, processor: str | None, work: Path) -> dict:
-    spec = {"files": files, "model": model, "config": config, "processor": processor}
+def _ours(files: list[str], model: str, config: dict, processor: str | None, work: Path, loader: str) -> dict:
+    spec = {"files": files, "model": model, "config": config, "processor": processor, "loader": loader}
     env = {**os.environ, "RAY_ADDRESS": "local"}  # a new session, never a cluster left running on the machine
     return _measured([sys.executable, "-m", __name__, json.dumps(spec)], env, str(work))
 
@@ -141,17 +157,17 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
         )
     for kind, rows, files, processor, config in cases:
         verl = _verl(files, model, config, processor, work)
-        ours = _ours(files, model, config, processor, work)
-        assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, ours {ours['rows']}"
-        entry = {
-            "kind": kind,
-            "rows": rows,
-            "verl": verl,
-            "ours": ours,
-            "first_batch_sooner_x": round(verl["time_to_first_batch_s"] / ours["time_to_first_batch_s"], 1),
-            "ratio_rows_per_s": round(ours["rows_per_s"] / verl["rows_per_s"], 2),
-            "peak_pss_ratio": round(ours["peak_pss_mib"] / verl["peak_pss_mib"], 2),
-        }
+        entry = {"kind": kind, "rows": rows, "verl": verl}
+        for name, loader in (("ours", "VerlDataLoader"), ("ours_iter_torch_batches", "iter_torch_batches")):
+            ours = _ours(files, model, config, processor, work, loader)
+            assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {name} {ours['rows']}"
+            suffix = name.removeprefix("ours")
+            entry[name] = ours
+            entry[f"first_batch_sooner_x{suffix}"] = round(
+                verl["time_to_first_batch_s"] / ours["time_to_first_batch_s"], 1
+            )
+            entry[f"ratio_rows_per_s{suffix}"] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
+            entry[f"peak_pss_ratio{suffix}"] = round(ours["peak_pss_mib"] / verl["peak_pss_mib"], 2)
         result["sizes"].append(entry)
         print(json.dumps(entry), flush=True)
     return result
@@ -159,5 +175,5 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    measured = run_ours_cold(spec["files"], spec["model"], spec["config"], spec["processor"])
+    measured = run_ours_cold(spec["files"], spec["model"], spec["config"], spec["processor"], spec["loader"])
     print(json.dumps(measured))
