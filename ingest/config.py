@@ -105,6 +105,9 @@ class DataConfig:
     use_shm: bool = False  # likewise unused: nothing is copied
     filter_overlong_prompts_workers: int | None = None  # verl's filter pass; the in-stream filter needs no workers
     chat_template_func: str | None = None  # verl 0.5.0 reads but never calls it; never imported here either
+    # verl 0.6 and later: extra apply_chat_template arguments (the template's variables, or chat_template); verl 0.5.0
+    # does not read it, so verl-0.5 rows ignore it too
+    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     # verl 0.9: qwen-vl-utils' resize factor (2 x this) before the processor's, in the overlong filter's image lengths;
     # None: the processor's patch size (verl's code default; its legacy yaml sets 14)
     image_patch_size: int | None = None
@@ -208,6 +211,7 @@ class DataConfig:
             )
         self.max_prompt_length = int(self.max_prompt_length)
         self.storage_options = dict(self.storage_options or {})
+        self.apply_chat_template_kwargs = dict(self.apply_chat_template_kwargs or {})
 
     @classmethod
     def from_any(cls, config: DataConfig | Mapping[str, Any] | None) -> DataConfig:

@@ -16,6 +16,7 @@ import ray
 
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
+from ingest.datasets.pools import ensure_ray
 from ingest.datasets.rl import build_dataset
 from ingest.errors import IngestError, SourceError
 from ingest.read.files import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
@@ -23,12 +24,6 @@ from ingest.stats import RunLedger, RunSummary
 
 OUTPUT_ROWS_PER_FILE = 50_000
 logger = logging.getLogger(__name__)
-
-
-def ensure_ray() -> None:
-    """Join the cluster this process runs in (a Ray job sets RAY_ADDRESS), else start a local one."""
-    if not ray.is_initialized():
-        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
 
 
 def _storable(table: pa.Table) -> pa.Table:

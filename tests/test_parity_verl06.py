@@ -71,6 +71,8 @@ def test_unknown_row_formats_are_refused():
 IMAGE_CONFIGS = [
     {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},
     {"truncation": "right", "filter_overlong_prompts": True, "return_full_prompt": True, "max_prompt_length": 1536},
+    # verl 0.6's apply_chat_template_kwargs: the Qwen2-VL template's own variable numbers the pictures
+    {"truncation": "left", "filter_overlong_prompts": True, "apply_chat_template_kwargs": {"add_vision_id": True}},
 ]
 
 

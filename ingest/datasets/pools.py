@@ -13,6 +13,13 @@ from ingest.config import DataConfig, StageContext
 from ingest.datasets.plan import InputPlan, units_source
 
 
+def ensure_ray() -> None:
+    """Join the cluster this process runs in (a Ray job sets RAY_ADDRESS), else start a local one without the
+    dashboard: Ray Data's own start would bring it (nine more processes, ~200 MiB on a new local cluster)."""
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
+
+
 def actor_kwargs(cfg: DataConfig, context: StageContext, **models: str | os.PathLike | None) -> dict:
     """An actor's constructor arguments: the config, the context and the model paths (as strings)."""
     return {"config": cfg, "context": context, **{k: None if v is None else os.fspath(v) for k, v in models.items()}}
@@ -28,6 +35,7 @@ def read_units_into_pool(
     processes it in the same process. No read worker has to start (and import Ray Data) before the first batch, and
     raw rows skip the object store.
     """
+    ensure_ray()
     source = units_source(plan, cfg, epoch, context.ledger)
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
     ds.context.execution_options.preserve_order = True

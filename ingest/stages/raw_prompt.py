@@ -61,7 +61,7 @@ class RawPromptStage(PromptTokenizeStage):
                 messages, decode = raw_prompt_messages(messages, row_images, row_videos)
                 messages_out[i] = messages
                 if measure:
-                    texts[i] = self.tokenizer.render(messages)
+                    texts[i] = self.tokenizer.render(messages, **self.template_kwargs)
             except Exception as exc:
                 bad[i] = self._error(table, i, f"chat messages failed: {type(exc).__name__}: {exc}")
                 continue

@@ -62,6 +62,8 @@ class PromptTokenizeStage:
         self.vision = vision
         self.keep_provenance = context.keep_provenance
         self._secrets = secret_values(config.storage_options)  # kept out of quarantine reasons and errors
+        # verl 0.6 and later pass these to apply_chat_template; 0.5.0 does not read them
+        self.template_kwargs = config.apply_chat_template_kwargs if config.row_format != "verl-0.5" else {}
         if tokenizer.pad_token_id is None:
             raise BadRowError(f"tokenizer {tokenizer.path!r} has neither a pad nor an eos token")
         if vision is not None:
@@ -139,7 +141,7 @@ class PromptTokenizeStage:
                 continue
             try:
                 messages = build_messages(messages, has_media_column=has_media)
-                texts[i] = self.tokenizer.render(messages)
+                texts[i] = self.tokenizer.render(messages, **self.template_kwargs)
                 messages_out[i] = messages
             except Exception as exc:
                 bad[i] = self._error(table, i, f"chat template failed: {type(exc).__name__}: {exc}")

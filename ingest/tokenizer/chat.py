@@ -47,6 +47,7 @@ class ChatTokenizer:
             raise ModelLoadError(f"tokenizer {path!r} has no chat template")
         self._template = compile_chat_template(self.chat_template)
         self._fast_render = qwen2_vl_text_renderer(self.chat_template)
+        self._other_templates: dict = {}  # apply_chat_template_kwargs' chat_template, compiled once
 
     def _load_plain(self, path: Path) -> bool:
         config_file, tokenizer_file = path / "tokenizer_config.json", path / "tokenizer.json"
@@ -83,17 +84,27 @@ class ChatTokenizer:
         # verl's hf_tokenizer() sets pad to eos when a tokenizer has none
         self.pad_token_id = self._hf.pad_token_id if self._hf.pad_token_id is not None else self._hf.eos_token_id
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """``apply_chat_template(messages, tokenize=False)`` as transformers 4.x did it (messages as given)."""
-        if self._fast_render is not None:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """``apply_chat_template(messages, tokenize=False, **template_kwargs)`` as transformers 4.x did it (messages
+        as given; ``template_kwargs``: verl's ``apply_chat_template_kwargs``, the template's own variables, or
+        ``chat_template`` to render with another template)."""
+        if self._fast_render is not None and not template_kwargs:
             text = self._fast_render(messages, add_generation_prompt)
             if text is not None:
                 return text
+        template, template_kwargs = self._template, dict(template_kwargs)
+        tools = template_kwargs.pop("tools", None)
+        if "chat_template" in template_kwargs:
+            source = template_kwargs.pop("chat_template")
+            if source not in self._other_templates:
+                self._other_templates[source] = compile_chat_template(source)
+            template = self._other_templates[source]
         return render_chat(
-            self._template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            special_tokens=self.special_tokens_map,
+            special_tokens={**self.special_tokens_map, **template_kwargs},
+            tools=tools,
         )
 
     def token_id(self, token: str) -> int | None:

@@ -29,3 +29,22 @@ def test_plain_python_qwen2_vl_renderer_equals_jinja():
     assert fast([{"role": "user", "content": [{"type": "text", "text": "x"}]}], True) is None
     assert fast([{"role": "user", "content": None}], True) is None
     assert qwen2_vl_text_renderer(QWEN2_VL_CHAT_TEMPLATE + " ") is None
+
+
+def test_template_kwargs_reach_the_template_and_verl_05_rows_ignore_them(model_dir):
+    """``apply_chat_template_kwargs``: the template's variables (Qwen2-VL's ``add_vision_id``), ``chat_template``;
+    verl 0.5.0 never reads the key, so its rows render without them."""
+    from ingest.config import DataConfig
+    from ingest.stages.tokenize import PromptTokenizeStage
+    from ingest.tokenizer.chat import ChatTokenizer
+
+    chat = ChatTokenizer(model_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    assert "Picture 1: " in chat.render(messages, add_vision_id=True)
+    assert "Picture 1: " not in chat.render(messages)
+    assert chat.render(messages, chat_template="{{ messages[0]['role'] }}!") == "user!"
+    kwargs = {"apply_chat_template_kwargs": {"add_vision_id": True}}
+    assert PromptTokenizeStage(chat, DataConfig(**kwargs)).template_kwargs == {}
+    assert PromptTokenizeStage(chat, DataConfig(row_format="verl-0.6", **kwargs)).template_kwargs == {
+        "add_vision_id": True
+    }
