@@ -22,6 +22,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
         return 0
+    if args.kind == "scaling":  # rows/s against tokenizer actor counts, text and images (--rows: text, image rows)
+        from ingest.devtools.scaling import bench_scaling
+
+        text_rows, image_rows = ((args.rows or []) + [200_000, 2_000][len(args.rows or []) :])[:2]
+        print(json.dumps(bench_scaling(text_rows, image_rows, counts=args.actors, work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9, cold (--rows: text rows, image rows)
         from ingest.devtools.verl09_bench import bench_verl09
 
@@ -67,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ingest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09"])
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09", "scaling"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
+    bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
     bench.add_argument("--skip-verl", action="store_true")
     bench.add_argument(
         "--record",

@@ -3,15 +3,7 @@
 # wheels, then bench vision, an in-process profile, the GPU parity check and the CUDA tests. Results in $OUT.
 set +e
 export PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
-T0=$(date +%s)
-t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-mkdir -p /tmp/site
-tar xJf .gpu/ray-strip.tar.xz -C /tmp/site || t "ray untar failed"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl 2>&1 | tail -3
-export PYTHONPATH=/tmp/site:$PWD INGEST_MODEL_DIR=$PWD/.gpu/model
-ORIGIN=$(cat .gpu/origin)  # the parity data name some images by absolute path, under the repo where it was made
-[ -e "$ORIGIN/.gpu" ] || { mkdir -p "$ORIGIN" && ln -s "$PWD/.gpu" "$ORIGIN/.gpu"; }
-t "setup done; repo at $PWD"
+source ingest/devtools/gpu/setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc; free -g | head -2; df -h /dev/shm | tail -1
 python3 - <<'PY'
