@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record
+from ingest.accounting import StageResult
 from ingest.blocks import MEDIA_BYTES_COLUMN, PROMPT_TOKENS_COLUMN, PROVENANCE_COLUMNS, RAW_PROMPT_OF_COLUMN
 from ingest.errors import BadRowError, redact
 from ingest.media.geometry import fetch_image_size, grid_tokens, image_grid, video_grid
@@ -92,12 +92,7 @@ class RawPromptStage(PromptTokenizeStage):
         valid = np.ones(n, dtype=bool)
         valid[list(bad)] = False
         keep = valid & (lengths <= cfg.max_prompt_length) if measure else valid
-        counts = BatchCounts(rows_in=n, quarantined=len(bad), filtered_overlong=int((valid & ~keep).sum()))
-        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
-        kept = np.flatnonzero(keep)
-        if self.vision is None:  # on the processor path the decode stage counts them (it may still drop a row)
-            counts.rows_out = len(kept)
-            counts.prompt_tokens = int(lengths[kept].sum())
+        counts, quarantine, kept = self._account(table, bad, valid, keep, lengths)
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(

@@ -203,16 +203,7 @@ class PromptTokenizeStage:
                     "truncation='error' (set data.truncation to left/right/middle or "
                     "data.filter_overlong_prompts=true)",
                 )
-        counts = BatchCounts(
-            rows_in=n,
-            quarantined=len(bad),
-            filtered_overlong=int((valid & ~keep).sum()),
-        )
-        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
-        kept = np.flatnonzero(keep)
-        if self.vision is None:  # on the processor path the decode stage counts them (it may still drop a row)
-            counts.rows_out = len(kept)
-            counts.prompt_tokens = int(expanded_lengths[kept].sum())
+        counts, quarantine, kept = self._account(table, bad, valid, keep, expanded_lengths)
         if len(kept) != n:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
@@ -232,6 +223,17 @@ class PromptTokenizeStage:
             expanded_lengths[kept],
         )
         return StageResult(rows, counts, quarantine)
+
+    def _account(self, table: pa.Table, bad: dict, valid, keep, lengths) -> tuple[BatchCounts, list, np.ndarray]:
+        """A batch's counts, quarantine records and kept row positions. On the processor path the decode stage counts
+        the rows out and their tokens (it may still drop a row)."""
+        counts = BatchCounts(rows_in=table.num_rows, quarantined=len(bad), filtered_overlong=int((valid & ~keep).sum()))
+        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
+        kept = np.flatnonzero(keep)
+        if self.vision is None:
+            counts.rows_out = len(kept)
+            counts.prompt_tokens = int(lengths[kept].sum())
+        return counts, quarantine, kept
 
     def _media_column(self, table: pa.Table, name: str) -> list | None:
         return table.column(name).to_pylist() if self.vision and name in table.column_names else None
