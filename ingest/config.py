@@ -41,10 +41,19 @@ def installed_verl_version() -> str | None:
 
 def resolve_row_format(row_format: str) -> str:
     """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5, 0.6
-    or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both."""
+    or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both. An
+    explicit format that the installed verl's line does not read (verl 0.5 given verl-0.9 rows) is an error too;
+    with no verl installed, or a release line not checked here, any format goes."""
     if row_format != "auto":
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {(*ROW_FORMATS, 'auto')}, got {row_format!r}")
+        installed = installed_verl_version()
+        line = _RELEASE_LINES.get(".".join(installed.split(".")[:2])) if installed else None
+        if line is not None and line != row_format:
+            raise ValueError(
+                f"row_format {row_format} builds rows the installed verl {installed} does not read (it reads "
+                f"{line} rows): set row_format to {line} or auto"
+            )
         return row_format
     installed = installed_verl_version()
     if installed is None:
