@@ -11,7 +11,7 @@ import pytest
 from ingest import VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.devtools.samples import qwen25_vl_model_dir, write_video_parquet
+from ingest.devtools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
 from tests.support.compare import assert_same_batches
 
 ROW_FORMAT = "verl-0.9"
@@ -88,13 +88,28 @@ def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_run
     assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
 
 
-def test_qwen25_vl_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, tmp_path_factory):
-    """A Qwen2.5-VL processor: its larger pixel budget changes which rows the filter drops at 2048 tokens."""
-    model = qwen25_vl_model_dir(tmp_path_factory.mktemp("qwen25-vl"), model_dir)
-    config = {"filter_overlong_prompts": True, "max_prompt_length": 2048}
-    expected = _verl(geo3k_files, model, [config], tmp_path_factory.mktemp("verl-cache"), processor=model)[0]
-    assert "error" not in expected, expected.get("error")
-    assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_other_families_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
+    """Qwen2.5-VL (a larger pixel budget) and Qwen3-VL (patch 16: qwen-vl-utils resizes by 32, then its processor)
+    processors built offline: the filter drops the same rows at 640 and 2048 tokens."""
+    build = qwen25_vl_model_dir if family == "qwen2.5-vl" else qwen3_vl_model_dir
+    model = build(tmp_path_factory.mktemp(family), model_dir)
+    configs = [{"filter_overlong_prompts": True, "max_prompt_length": n} for n in (640, 2048)]
+    runs = _verl(geo3k_files, model, configs, tmp_path_factory.mktemp("verl-cache"), processor=model)
+    for config, expected in zip(configs, runs, strict=True):
+        assert "error" not in expected, expected.get("error")
+        assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
+
+
+def test_qwen3_vl_videos_are_refused_while_filtering(ray_session, model_dir, tmp_path):
+    """Qwen3-VL video prompts carry per-frame timestamps the filter does not measure: refused before reading, and
+    passed through with the filter off (verl 0.9 rows carry the video sources)."""
+    model = qwen3_vl_model_dir(tmp_path / "qwen3-vl", model_dir)
+    files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
+    with pytest.raises(ValueError, match="per-frame timestamps"):
+        build_dataset(files, model, {"row_format": ROW_FORMAT}, processor=model)
+    rows = _ours(files, model, {"filter_overlong_prompts": False}, processor=model)
+    assert sum(len(b["dummy_tensor"]) for b in rows) == 4
 
 
 @pytest.mark.parametrize(

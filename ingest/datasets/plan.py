@@ -94,8 +94,14 @@ def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan:
             f"row_format {cfg.row_format} builds the rows of the Qwen2-VL family ({', '.join(_QWEN2_VL_PROCESSORS)}); "
             f"the processor {processor} is a {family} (verl-0.9 rows carry the media for any processor)"
         )
+    with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
+    if with_videos and cfg.row_format == "verl-0.9" and cfg.filter_overlong_prompts and "Qwen3VL" in (family or ""):
+        raise ValueError(
+            f"row_format verl-0.9 measures prompts for its overlong filter; {_describe(with_videos[0])} has a "
+            f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
+            "per-frame timestamps not measured here yet (filter_overlong_prompts: false passes them through)"
+        )
     if cfg.row_format == "verl-0.6":
-        with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
         if with_videos:
             raise ValueError(
                 f"row_format verl-0.6 with a processor builds image and text rows; {_describe(with_videos[0])} has a "

@@ -290,3 +290,55 @@ def qwen25_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | No
             image["size"] = dict(QWEN25_VL_PIXELS)
         path.write_text(json.dumps(config, indent=2))
     return str(out)
+
+
+# Qwen3-VL's published processor settings (Qwen/Qwen3-VL-* preprocessor_config.json, video_preprocessor_config.json)
+QWEN3_VL_IMAGE = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+QWEN3_VL_VIDEO = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "do_sample_frames": True,
+}
+
+
+def qwen3_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | None = None) -> str:
+    """A Qwen3-VL processor directory built offline: the embedded vocabulary and chat template with Qwen3-VL's
+    processor class, patch size 16, pixel budgets and mean / std."""
+    import json
+    import shutil
+
+    from ingest.tokenizer.offline import build_offline_model_dir
+
+    out = Path(out_dir)
+    if (out / "preprocessor_config.json").is_file():
+        return str(out)
+    shutil.copytree(base or build_offline_model_dir(), out, dirs_exist_ok=True)
+
+    def update(name: str, changes: dict, section: str | None = None) -> None:
+        config = json.loads((out / name).read_text())
+        (config.setdefault(section, {}) if section else config).update(changes)
+        config["processor_class"] = "Qwen3VLProcessor"
+        (out / name).write_text(json.dumps(config, indent=2))
+
+    update("preprocessor_config.json", QWEN3_VL_IMAGE)
+    update("video_preprocessor_config.json", QWEN3_VL_VIDEO)
+    update("processor_config.json", QWEN3_VL_IMAGE, "image_processor")
+    update("processor_config.json", QWEN3_VL_VIDEO, "video_processor")
+    update("tokenizer_config.json", {})
+    return str(out)
