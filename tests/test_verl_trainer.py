@@ -109,3 +109,23 @@ def test_state_survives_torch_save_and_load(ray_session, trainer_data, model_dir
         rest = [b["input_ids"] for b in resumed]
         assert len(seen) + len(rest) == len(whole) == len(loader)
         assert all(torch.equal(a, b) for a, b in zip(seen[:3] + rest, whole, strict=True))
+
+
+def test_epoch_count_is_cached_and_recounted_when_the_data_changes(ray_session, model_dir, tmp_path):
+    """``len()``'s count is kept per files + config + models; a file rewritten with the same row groups but other
+    prompts (more of them overlong) is counted again, never answered from the stale entry."""
+    import os
+
+    from ingest.config import DataConfig
+    from ingest.verl.length import count_rows
+
+    config = DataConfig(max_prompt_length=160, filter_overlong_prompts=True, cache_dir=str(tmp_path / "cache"))
+    files = write_gsm8k_parquet(tmp_path / "a", 60, num_files=1, row_group_size=20, long_every=10)
+    first = count_rows(files, model_dir, config)
+    assert first == count_rows(files, model_dir, config) < 60  # the second answer comes from the cache
+    stat = os.stat(files[0])
+    write_gsm8k_parquet(tmp_path / "a", 60, num_files=1, row_group_size=20, long_every=3)  # same path and row groups
+    os.utime(files[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert count_rows(files, model_dir, config) < first
+    unfiltered = DataConfig(filter_overlong_prompts=False, truncation="left", cache_dir=str(tmp_path / "cache"))
+    assert count_rows(files, model_dir, unfiltered) == 60  # another config: its own count
