@@ -9,8 +9,9 @@ import pytest
 
 from ingest import DataConfig, VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
-from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.oracle import oracle_available
 from ingest.devtools.samples import qwen25_vl_model_dir, write_video_parquet
+from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.test_parity_text import BATCH, CONFIGS
 
@@ -21,14 +22,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _ours(files, model_dir, config: dict, processor=None, batch_size: int = BATCH) -> list[dict]:
-    ds = build_dataset(files, model_dir, {**config, "shuffle": False, "row_format": ROW_FORMAT}, processor=processor)
-    return list(ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate(row_format=ROW_FORMAT)))
+    return formats.ours(files, model_dir, config, ROW_FORMAT, batch_size, processor)
 
 
 def _verl(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
-    configs = [{**c, "cache_dir": str(cache)} for c in configs]
-    extra = {"configs": configs, "batch_size": batch_size, "processor": processor}
-    return run_verl("rows", files, model_dir, None, row_format=ROW_FORMAT, **extra)["runs"]
+    return formats.verl(files, model_dir, configs, cache, ROW_FORMAT, batch_size, processor)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import VerlCollate, build_dataset
+from ingest import build_dataset
 from ingest.demo import gsm8k_rows
-from ingest.devtools.oracle import oracle_available, run_verl
+from ingest.devtools.oracle import oracle_available
 from ingest.devtools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
+from tests.support import formats
 from tests.support.compare import assert_same_batches
 
 ROW_FORMAT = "verl-0.9"
@@ -33,18 +34,12 @@ IMAGE_CONFIGS = [
 ]
 
 
-def _ours(files, model_dir, config: dict, processor=None) -> list[dict]:
-    config = {**config, "shuffle": False, "row_format": ROW_FORMAT}
-    ds = build_dataset(files, model_dir, config, processor=processor)
-    return list(ds.iter_torch_batches(batch_size=BATCH, collate_fn=VerlCollate(row_format=ROW_FORMAT)))
+def _ours(files, model_dir, config: dict, processor=None, batch_size: int = BATCH) -> list[dict]:
+    return formats.ours(files, model_dir, config, ROW_FORMAT, batch_size, processor)
 
 
-def _verl(files, model_dir, configs: list[dict], cache, processor=None) -> list[dict]:
-    configs = [{**c, "cache_dir": str(cache)} for c in configs]
-    runs = run_verl(
-        "rows", files, model_dir, None, configs=configs, batch_size=BATCH, processor=processor, row_format=ROW_FORMAT
-    )
-    return runs["runs"]
+def _verl(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
+    return formats.verl(files, model_dir, configs, cache, ROW_FORMAT, batch_size, processor)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,19 @@
+"""Both sides of a row-format parity test: our batches and the batches of that format's verl release."""
+
+from __future__ import annotations
+
+from ingest import VerlCollate, build_dataset
+from ingest.devtools.oracle import run_verl
+
+
+def ours(files, model_dir, config: dict, row_format: str, batch_size: int, processor=None) -> list[dict]:
+    """``build_dataset`` in input order, collated as ``row_format``'s verl does."""
+    ds = build_dataset(files, model_dir, {**config, "shuffle": False, "row_format": row_format}, processor=processor)
+    return list(ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate(row_format=row_format)))
+
+
+def verl(files, model_dir, configs: list[dict], cache, row_format: str, batch_size: int, processor=None) -> list[dict]:
+    """``row_format``'s verl release on the same files, one run per config (``rows`` and collated ``batches``)."""
+    configs = [{**c, "cache_dir": str(cache)} for c in configs]
+    extra = {"configs": configs, "batch_size": batch_size, "processor": processor}
+    return run_verl("rows", files, model_dir, None, row_format=row_format, **extra)["runs"]
