@@ -9,22 +9,15 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from ingest.config import DataConfig, StageContext
-from ingest.media.geometry import VisionSpec
 from ingest.memory import use_arrow_memory_pool
-from ingest.stages.raw_prompt import RawPromptStage
-from ingest.stages.tokenize import PromptTokenizeStage
+from ingest.stages.prompt import prompt_stage
 from ingest.stats import stage_unit
-from ingest.tokenizer.chat import ChatTokenizer
-from ingest.tokenizer.offline import resolve_model_path
 
 
 class TokenizeActor:
     def __init__(self, config: DataConfig, context: StageContext, tokenizer: str | None, processor: str | None = None):
         use_arrow_memory_pool(config.arrow_memory_pool)
-        vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
-        chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
-        stage = RawPromptStage if config.row_format == "verl-0.9" else PromptTokenizeStage
-        self.stage = stage(chat, config, context, vision)
+        self.stage = prompt_stage(config, context, tokenizer, processor)
         self.ledger = context.ledger
         self.batch_size = config.tokenizer_batch_size
         self.media = None

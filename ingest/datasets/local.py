@@ -39,27 +39,15 @@ class DriverUnits:
         *,
         epoch: int = 0,
     ):
-        from functools import partial
-
-        from ingest.media.geometry import VisionSpec
-        from ingest.stages.media import counted_block
-        from ingest.stages.raw_prompt import RawPromptStage
-        from ingest.stages.tokenize import PromptTokenizeStage
-        from ingest.tokenizer.chat import ChatTokenizer
-        from ingest.tokenizer.offline import resolve_model_path
+        from ingest.stages.media import media_stages
+        from ingest.stages.prompt import prompt_stage
 
         if not driver_can_start(config, processor):
             raise ValueError("the driver makes text and verl 0.9 rows only (other media rows need the vision stage)")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
-        vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor is not None else None
-        chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
-        stage = RawPromptStage if config.row_format == "verl-0.9" else PromptTokenizeStage
-        self.stage = stage(chat, config, context, vision)
-        self.decode = None
-        if processor is not None:
-            from ingest.stages.decode import DecodeStage
-
-            self.decode = partial(counted_block, DecodeStage(config, context), ledger=context.ledger, stage="decode")
+        self.stage = prompt_stage(config, context, tokenizer, processor)
+        # verl 0.9 rows: the decode pool's stage (their images decoded, counted as there); none for text rows
+        self.media = media_stages(config, context, processor, "decode")
 
     def __call__(self, unit: ReadUnit) -> Iterator[pa.Table]:
         from ingest.stats import stage_unit
@@ -70,4 +58,4 @@ class DriverUnits:
         for read in source.get_read_tasks(1):
             for table in read():
                 for block in stage_unit(self.stage, table, self.config.tokenizer_batch_size, self.context.ledger):
-                    yield self.decode(block) if self.decode is not None else block
+                    yield self.media(block) if self.media is not None else block

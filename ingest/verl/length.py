@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from ingest.config import DataConfig
-from ingest.datasets.plan import FilesArg, plan_input
+from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,8 @@ def _file_identity(path: str) -> list:
         return []
 
 
-def count_key(files: FilesArg, tokenizer, config: DataConfig, processor=None) -> str:
+def count_key(plan: InputPlan, tokenizer, config: DataConfig, processor=None) -> str:
     """The cache key of an epoch's row count: files (footers, local size and mtime), row-shaping config, models."""
-    plan = plan_input(files, config, multimodal=processor is not None)
     settings = {
         k: v
         for k, v in config.to_dict().items()
@@ -67,15 +66,13 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
     from ingest.datasets.rl import build_dataset
 
     path = Path(os.path.expanduser(config.cache_dir)) / CACHE_FILE
-    key = count_key(files, tokenizer, config, processor)
+    plan = plan_input(files, config, multimodal=processor is not None)  # footers read once: key and count
+    key = count_key(plan, tokenizer, config, processor)
     known = _read(path) if cache else {}
     if key in known:
         return int(known[key])
-    rows = 0
-    for block in build_dataset(files, tokenizer, config, processor).iter_batches(
-        batch_size=None, batch_format="pyarrow"
-    ):
-        rows += block.num_rows
+    ds = build_dataset(plan.files, tokenizer, config, processor, plan=plan)
+    rows = sum(block.num_rows for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     logger.info("counted %d rows per epoch (cached in %s)", rows, path)
     if cache:
         _write(path, {**_read(path), key: rows})

@@ -43,25 +43,28 @@ class VerlDataLoader(PromptStream):
         collate_fn=None,
         ledger=None,
     ):
-        cfg = DataConfig.from_any(config)
+        super().__init__(
+            files,
+            tokenizer,
+            config,
+            batch_size or 1,
+            processor,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            ledger=ledger,
+        )
         self._num_rows = num_rows
         if batch_size is None:  # verl's val loader: every row in one batch
-            batch_size = max(1, self._count(files, tokenizer, cfg, processor))
-        super().__init__(
-            files, tokenizer, cfg, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
-        )
-
-    def _count(self, files, tokenizer, config, processor) -> int:
-        if self._num_rows is None:
-            from ingest.verl.length import count_rows
-
-            self._num_rows = count_rows(files, tokenizer, config, processor)
-        return self._num_rows
+            self.batch_size = max(1, self.num_rows)
 
     @property
     def num_rows(self) -> int:
-        """Rows one epoch yields (after the filter and quarantine)."""
-        return self._count(self.files, self.tokenizer, self.config, self.processor)
+        """Rows one epoch yields (after the filter and quarantine): given, else counted once and cached."""
+        if self._num_rows is None:
+            from ingest.verl.length import count_rows
+
+            self._num_rows = count_rows(self.files, self.tokenizer, self.config, self.processor)
+        return self._num_rows
 
     def __len__(self) -> int:
         rows = self.num_rows
