@@ -322,15 +322,15 @@ def test_qwen2vl_tags_per_message(renderers, hf):
             own = [t for t, k in zip(ids, idx, strict=True) if k == j]
             assert tokenizer.decode(own) == f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n"
             body = [t for t, k, c in zip(ids, idx, rendered.content, strict=True) if k == j and c]
-            # a body that starts with a newline shares its first token with the header's newline
-            assert tokenizer.decode(body) in (message["content"], "\n" + message["content"])
             sampled = [t for t, k, s in zip(ids, idx, rendered.sampled, strict=True) if k == j and s]
+            # a body that starts with a newline shares its first token with the header's newline
+            texts = (message["content"], "\n" + message["content"])
             if message["role"] == "assistant":
-                assert sampled[-1] == IM_END and tokenizer.decode(sampled[:-1]) in (
-                    message["content"],
-                    "\n" + message["content"],
-                )
+                assert sampled[-1] == IM_END and tokenizer.decode(sampled[:-1]) in texts
+                # renderers' rule: on assistant tokens content == sampled (the closing <|im_end|> included)
+                assert body == sampled
             else:
+                assert tokenizer.decode(body) in texts
                 assert sampled == []
 
 
@@ -785,4 +785,170 @@ def test_conversation_problem():
     assert "did not make" in conversation_problem([*ok, call, {"role": "tool", "content": "r", "tool_call_id": "c9"}])
     assert "no open tool call" in conversation_problem(
         [*ok, call, {"role": "tool", "content": "r"}, {"role": "tool", "content": "again"}]
+    )
+
+
+# --- renderers' and prime-rl's call shapes and conversations ----------------------------------------------------------
+
+
+def _byt5_chatml():
+    """A slow (Python) tokenizer with a ChatML template: ByT5's bytes plus <|im_start|> / <|im_end|>."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer(extra_ids=0, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    return tokenizer
+
+
+def test_create_renderer_takes_transformers_tokenizer_and_processor_objects(
+    renderers, hf, vl_renderer, processor, model_dir
+):
+    """renderers' call: ``create_renderer(tokenizer)`` with a loaded tokenizer (fast or slow) or processor object."""
+    for name in ("qwen2.5", "qwen3"):
+        renderer = create_renderer(hf[name])
+        assert isinstance(renderer, ChatMLRenderer)
+        for seed, messages in enumerate(random_conversations(21, 25, tools=True)):
+            tools = TOOLS if seed % 2 else None
+            sample = build_training_sample(renderer, messages, tools=tools)
+            assert sample.token_ids == hf_chat_ids(hf[name], messages, tools), (name, seed)
+            assert sample == build_training_sample(renderers[name], messages, tools=tools)
+    # a processor object: its tokenizer, its template, and its media processing
+    data = encoded_image(random.Random(6), "png")
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": data}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A figure."},
+    ]
+    from_processor = build_training_sample(create_renderer(processor), messages)
+    by_path = build_training_sample(vl_renderer, messages)
+    assert from_processor.token_ids == by_path.token_ids and from_processor.loss_mask == by_path.loss_mask
+    np.testing.assert_array_equal(
+        from_processor.multi_modal_data["image"].items[0]["pixel_values"],
+        by_path.multi_modal_data["image"].items[0]["pixel_values"],
+    )
+    # a slow tokenizer: ids through the object, token spans from decoding (a 2-byte character spans two tokens)
+    slow = _byt5_chatml()
+    assert not slow.is_fast
+    renderer = create_renderer(slow)
+    assert isinstance(renderer, ChatMLRenderer)
+    chat = [{"role": "user", "content": "Grüße?"}, {"role": "assistant", "content": "Hallo, Wörld."}]
+    sample = build_training_sample(renderer, chat)
+    assert sample.token_ids == hf_chat_ids(slow, chat)
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
+    assert slow.decode(trained) == "Hallo, Wörld.<|im_end|>"
+    with pytest.raises(TypeError, match="transformers tokenizer"):
+        create_renderer(object())
+
+
+def test_openai_tool_call_turn_with_null_content_renders_as_apply_chat_template(renderers, hf):
+    """``{"role": "assistant", "content": None, "tool_calls": [...]}``: transformers 5 drops None-valued message keys;
+    a null inside the arguments is data and renders as ``null``."""
+    call = {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "reasoning_effort": None}},
+    }
+    messages = [
+        {"role": "user", "content": "Weather in Paris?", "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "21", "tool_call_id": None},
+        {"role": "assistant", "content": "21 °C.", "tool_calls": None},
+    ]
+    for name in ("qwen2-vl", "qwen2.5", "qwen3"):
+        sample = build_training_sample(renderers[name], messages, tools=TOOLS)
+        expected = hf_chat_ids(hf[name], messages, TOOLS)
+        assert sample.token_ids == expected, name
+        assert sample.loss_mask == expected_chatml_mask(expected), name
+        if name != "qwen2-vl":  # Qwen2-VL's template does not render tool calls
+            assert '"reasoning_effort": null' in hf[name].decode(sample.token_ids)
+    assert messages[1]["content"] is None  # the caller's messages are not changed
+
+
+def test_content_parts_with_null_media_keys_are_text(vl_renderer, renderers, processor, hf):
+    """Parts as a Parquet struct column gives them (every part has every key) are text (renderers' rule), both for
+    the media they carry and for what the template renders."""
+    data = encoded_image(random.Random(8), "png")
+    filled = {"type": None, "text": None, "image": None, "image_url": None, "video": None}
+    messages = [
+        {
+            "role": "user",
+            "content": [{**filled, "type": "text", "text": "Compare "}, {**filled, "type": "image", "image": data}],
+        },
+        {"role": "assistant", "content": [{**filled, "type": "text", "text": "A figure."}]},
+    ]
+    clean = [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "image": data}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A figure."}]},
+    ]
+    sample = build_training_sample(vl_renderer, messages)
+    reference = build_training_sample(vl_renderer, clean)
+    assert (sample.token_ids, sample.loss_mask, sample.mm_token_type_ids) == (
+        reference.token_ids,
+        reference.loss_mask,
+        reference.mm_token_type_ids,
+    )
+    assert sample.multi_modal_data["image"].placeholders == reference.multi_modal_data["image"].placeholders
+    assert len(sample.multi_modal_data["image"].items) == 1
+    expected = processor.apply_chat_template(
+        _as_pil_rgb(clean), tokenize=True, return_dict=True, add_generation_prompt=False, return_tensors="np"
+    )
+    assert sample.token_ids == expected["input_ids"][0].tolist()
+    # text only: no image, so a renderer without a processor takes it
+    text_only = [{"role": "user", "content": [{"text": "Hi", "image": None}]}, {"role": "assistant", "content": "Yo"}]
+    got = build_training_sample(renderers["qwen2-vl"], text_only)
+    assert got.token_ids == hf_chat_ids(hf["qwen2-vl"], [text_only[0] | {"content": [{"text": "Hi"}]}, text_only[1]])
+    assert got.multi_modal_data is None
+
+
+def _trained_by_message(sample, rendered, decode) -> dict[int, str]:
+    out: dict[int, list[int]] = {}
+    for t, (j, m) in enumerate(zip(rendered.message_indices, sample.loss_mask, strict=True)):
+        if m:
+            out.setdefault(j, []).append(sample.token_ids[t])
+    return {j: decode(ids) for j, ids in out.items()}
+
+
+def test_content_sft_roles_trains_message_bodies_only(renderers, hf):
+    """renderers' ``content_sft_roles``: the chosen roles' own text is trained, not the template around it (headers,
+    ``<|im_end|>``, ``<tool_response>`` wrappers, a tools prompt around the system message); other roles keep the
+    sampled-token mask; the assistant's content equals its sampled tokens."""
+    renderer, decode = renderers["qwen2.5"], hf["qwen2.5"].decode
+    messages = [
+        {"role": "system", "content": "Be terse"},  # ends in a letter: no token joins it to the "\n\n" after it
+        {"role": "user", "content": "Weather in Paris and Tokyo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Tokyo"}}},
+            ],
+        },
+        {"role": "tool", "content": "Sunny, 21 C"},
+        {"role": "tool", "content": "Rain, 25 C"},
+        {"role": "assistant", "content": "Paris sunny, Tokyo rain."},
+    ]
+    rendered = renderer.render(messages, tools=TOOLS)
+    base = build_training_sample(renderer, messages, tools=TOOLS)
+    sample = build_training_sample(renderer, messages, tools=TOOLS, content_sft_roles={"tool", "system"})
+    assert sample.token_ids == base.token_ids
+    trained = _trained_by_message(sample, rendered, decode)
+    assert trained[0] == "Be terse"  # not the tools prompt the template wraps around it
+    assert trained[3] == "Sunny, 21 C" and trained[4] == "Rain, 25 C"  # not <tool_response> nor the user header
+    assert 1 not in trained
+    assert trained[5] == "Paris sunny, Tokyo rain.<|im_end|>"
+    assert trained[2].startswith("<tool_call>") and trained[2].endswith("</tool_call><|im_end|>")
+    # role_to_mask does not apply to body roles; RL on the assistant + SFT on tool bodies (renderers' example)
+    tools_only = build_training_sample(
+        renderer, messages, tools=TOOLS, role_to_mask=lambda m: False, content_sft_roles=["tool"]
+    )
+    assert _trained_by_message(tools_only, rendered, decode) == {3: "Sunny, 21 C", 4: "Rain, 25 C"}
+    # content == sampled on assistant tokens: body-only supervision of the assistant is the default mask
+    assert build_training_sample(renderer, messages, tools=TOOLS, content_sft_roles={"assistant"}) == base
+    # a renderer that cannot tell content ignores it (renderers' opaque renderers do)
+    header = renderers["header"]
+    assistant = {"role_to_mask": lambda m: m["role"] == "assistant"}
+    short = [messages[1], messages[5]]
+    assert build_training_sample(header, short, content_sft_roles={"user"}, **assistant) == build_training_sample(
+        header, short, **assistant
     )

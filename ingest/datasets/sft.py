@@ -7,9 +7,15 @@ into the first actor pool); the stages are in ``ingest.stages.sft``. See docs/sf
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import hashlib
 import os
-from collections.abc import Callable, Mapping
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,9 +26,12 @@ from ray.data.collate_fn import ArrowBatchCollateFn
 from ingest.blocks import contiguous, tensor_from_record
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
-from ingest.datasets.pools import actor_kwargs, map_on_pool, read_units_into_pool
+from ingest.datasets.pools import map_on_pool, read_units_into_pool
 from ingest.errors import SourceError
-from ingest.read.files import _describe
+from ingest.read.files import _describe, expand_files, inspect_files
+from ingest.sft.tokenizers import HFChatTokenizer, is_processor_object, is_tokenizer_object
+from ingest.stages.sft import NO_TARGET_POLICIES
+from ingest.tokenizer.chat import ChatTokenizer
 
 MEDIA_TENSOR_COLUMNS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -44,33 +53,54 @@ def plan_sft_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimod
     except SourceError as exc:
         if exc.column != cfg.sft_messages_key:
             raise
-    wanted = f"no {cfg.sft_messages_key!r} column and no {cfg.prompt_key!r} + {cfg.sft_completion_key!r} columns"
     try:
         plan = plan_input(files, cfg, epoch=epoch, multimodal=multimodal)
     except SourceError as exc:
         if exc.column != cfg.prompt_key:
             raise
-        raise SourceError(f"{wanted} (set data.sft_messages_key)", file=exc.file, column=cfg.sft_messages_key) from None
+        raise _layout_error(files, cfg) from None
     for info in plan.infos:
         if cfg.sft_completion_key not in info.schema.names:
-            raise SourceError(
-                f"{wanted} (columns: {', '.join(info.schema.names)})",
-                file=_describe(info.path),
-                column=cfg.sft_completion_key,
-            )
+            raise _layout_error(files, cfg, [info])
     return plan
+
+
+def _layout_error(files: FilesArg, cfg: DataConfig, infos: list | None = None) -> SourceError:
+    """The error for a file with neither conversation layout, naming its columns and the ones expected (the footers
+    are read again: this is the failure path only)."""
+    expected = (
+        f"expected a {cfg.sft_messages_key!r} column (data.sft_messages_key), or {cfg.prompt_key!r} + "
+        f"{cfg.sft_completion_key!r} columns (data.prompt_key, data.sft_completion_key)"
+    )
+    if infos is None:
+        infos = inspect_files(expand_files(files, cfg.storage_options), cfg.storage_options)
+    for info in infos:
+        names = info.schema.names
+        if cfg.sft_messages_key not in names and not {cfg.prompt_key, cfg.sft_completion_key} <= set(names):
+            return SourceError(
+                f"no conversation columns: found {', '.join(map(repr, names)) or 'none'}; {expected}",
+                file=_describe(info.path),
+                column=cfg.sft_messages_key,
+            )
+    return SourceError(  # each file has one layout, but not all the same one
+        f"the files mix the two conversation layouts; {expected}, the same in every file",
+        file=_describe(infos[0].path) if infos else None,
+        column=cfg.sft_messages_key,
+    )
 
 
 def build_sft_dataset(
     files: FilesArg,
-    tokenizer: str | os.PathLike | None,
+    tokenizer: Any,
     config: DataConfig | Mapping[str, Any] | None = None,
-    processor: str | os.PathLike | None = None,
+    processor: Any = None,
     *,
     epoch: int = 0,
     ledger=None,
     plan: InputPlan | None = None,
     role_to_mask: Callable[[Mapping[str, Any]], bool] | None = None,
+    content_sft_roles: Collection[str] | None = None,
+    no_target: str = "drop",
 ) -> ray.data.Dataset:
     """A Ray Dataset of SFT training rows for the conversations in ``files``.
 
@@ -83,28 +113,144 @@ def build_sft_dataset(
     with ``target_ids``), ``seq_lens`` (the samples in the row; one entry unless ``sft_pack_token_budget`` > 0)
     and, with a ``processor``, ``mm_token_type_ids`` (null for text rows), ``image_placeholders`` /
     ``image_hashes`` / ``pixel_values`` / ``image_grid_thw``, the same for videos, and ``dropped_media`` (items cut
-    off by ``sft_max_length``). ``SFTCollate`` turns batches into padded torch tensors.
+    off by ``sft_max_length``). ``SFTCollate`` turns batches into padded torch tensors, ``PrimeRLCollate`` into
+    prime-rl's SFT micro batches.
 
     ``tokenizer`` / ``processor``: as ``build_dataset`` (a directory, hub name, None = the embedded Qwen2-VL
-    tokenizer). ``role_to_mask``: the ``build_training_sample`` predicate (picklable; required for non-ChatML
-    templates). ``ledger``: a ``RunLedger`` that receives per-batch counts (rows in = samples out + filtered +
-    quarantined). Bad conversations are quarantined (``on_bad_row: quarantine``) or raise ``BadRowError``.
+    tokenizer), or loaded transformers objects (a tokenizer, fast or slow; a processor, which as ``tokenizer`` is
+    also the processor unless one is given). Objects are never pickled to the actors: a tokenizer loaded from a local
+    directory and unchanged since is passed as that directory; anything else is saved once to a temporary model
+    directory the actors load (``actors.sft.SavedModel``). ``role_to_mask`` / ``content_sft_roles``: as
+    ``build_training_sample`` (``role_to_mask`` picklable; required for non-ChatML templates). ``no_target``:
+    ``drop`` (default, prime-rl's rule) or ``keep`` samples whose window holds no trained target; dropped ones are
+    counted as ``filtered_overlong``. ``ledger``: a ``RunLedger`` that receives per-batch counts (rows in = samples
+    out + filtered + quarantined). Bad conversations are quarantined (``on_bad_row: quarantine``) or raise
+    ``BadRowError``.
     """
     cfg = DataConfig.from_any(config)
     check_sft_config(cfg)
-    check_model_path(tokenizer)
-    if processor is not None:
-        check_model_path(processor, "processor")
+    if no_target not in NO_TARGET_POLICIES:
+        raise ValueError(f"no_target must be one of {', '.join(NO_TARGET_POLICIES)}, got {no_target!r}")
+    if processor is None and is_processor_object(tokenizer):
+        processor = tokenizer  # create_renderer's reading of a processor given as the tokenizer
+    for model, what in ((tokenizer, "tokenizer"), (processor, "processor")):
+        if model is None or isinstance(model, str | os.PathLike):
+            check_model_path(model, what)
     plan = plan or plan_sft_input(files, cfg, epoch=epoch, multimodal=processor is not None)
     from actors import SFTRenderActor, SFTVisionActor
 
+    tokenizer = model_for_actors(tokenizer, "tokenizer")
+    processor = model_for_actors(processor, "processor")
     context = plan.context(ledger)
-    render = {**actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor), "role_to_mask": role_to_mask}
+    render = {
+        "config": cfg,
+        "context": context,
+        "tokenizer": tokenizer,
+        "processor": processor,
+        "role_to_mask": role_to_mask,
+        "content_sft_roles": frozenset(content_sft_roles) if content_sft_roles else None,
+        "no_target": no_target,
+    }
     # one read unit per call; the actor batches (and packs) by tokenizer_batch_size
     ds = read_units_into_pool(plan, cfg, context, SFTRenderActor, render, epoch=epoch)
     if processor is None:
         return ds
-    return map_on_pool(ds, cfg, "vision", SFTVisionActor, actor_kwargs(cfg, context, processor=processor))
+    return map_on_pool(ds, cfg, "vision", SFTVisionActor, {"config": cfg, "context": context, "processor": processor})
+
+
+# saved tokenizer / processor objects of this driver: (what they looked like when saved, the SavedModel)
+_SAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_for_actors(model: Any, what: str = "tokenizer") -> Any:
+    """What the actors load for ``model``: paths and names as they are (as strings); a transformers tokenizer loaded
+    from a local directory and unchanged since (same chat template, special tokens, vocabulary and ids) as that
+    directory; any other tokenizer or processor object saved once to a temporary directory (``SavedModel``).
+
+    Objects are never pickled to the actors: a tokenizer can be large, can hold state that does not pickle, and its
+    class may not even be importable where the actors run.
+    """
+    if model is None or isinstance(model, str | os.PathLike):
+        return None if model is None else os.fspath(model)
+    if isinstance(model, ChatTokenizer):
+        return model.path
+    if isinstance(model, HFChatTokenizer):
+        model = model._hf
+    if not (is_tokenizer_object(model) or is_processor_object(model) or hasattr(model, "save_pretrained")):
+        raise TypeError(
+            f"{what} must be a path, a hub name or a transformers {what} object, got {type(model).__name__}"
+        )
+    name = getattr(model, "name_or_path", "") or ""
+    if is_tokenizer_object(model) and name and os.path.isdir(name) and _same_tokenizer(model, name):
+        return name
+    fingerprint = _fingerprint(model)
+    try:
+        saved = _SAVED.get(model)
+    except TypeError:  # not weakly referenceable: no reuse
+        saved = None
+    if saved is not None and saved[0] == fingerprint:
+        return saved[1]
+    from actors.sft import SAVED_MODEL_MARKER, SavedModel
+
+    directory = tempfile.mkdtemp(prefix=f"ray-ingest-{what}-")
+    atexit.register(shutil.rmtree, directory, True)
+    try:
+        model.save_pretrained(directory)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot hand the {what} object ({type(model).__name__}) to the actors: its name_or_path {name!r} is not a "
+            f"local directory holding the same {what}, and save_pretrained failed ({type(exc).__name__}: {exc}); "
+            f"pass a {what} directory or hub name"
+        ) from exc
+    files = {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(Path(directory).rglob("*"))
+        if path.is_file()
+    }
+    digest = hashlib.sha256()
+    for rel, data in files.items():
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    (Path(directory) / SAVED_MODEL_MARKER).write_text(digest.hexdigest())
+    from ingest.datasets.pools import ensure_ray
+
+    ensure_ray()
+    saved_model = SavedModel(directory, digest.hexdigest(), ray.put(files))
+    try:
+        _SAVED[model] = (fingerprint, saved_model)
+    except TypeError:
+        pass
+    return saved_model
+
+
+def _fingerprint(model: Any) -> tuple:
+    """What a saved object looked like: a changed template or vocabulary means saving again."""
+    tokenizer = getattr(model, "tokenizer", model)
+    template = getattr(model, "chat_template", None)
+    vocabulary = len(tokenizer) if is_tokenizer_object(tokenizer) else None
+    special = sorted(getattr(tokenizer, "special_tokens_map", {}).items(), key=str) if vocabulary else None
+    return (type(model).__name__, str(template), vocabulary, str(special))
+
+
+def _same_tokenizer(model: Any, directory: str) -> bool:
+    """Whether ``directory`` loads the tokenizer ``model`` is: chat template, special tokens, vocabulary size and the
+    ids of a probe holding every added token."""
+    try:
+        loaded = ChatTokenizer(directory)
+    except Exception:
+        return False
+    ours = HFChatTokenizer(model)
+    if ours.chat_template != loaded.chat_template:
+        return False
+    keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+    if any(ours.special_tokens_map.get(k) != loaded.special_tokens_map.get(k) for k in keys):
+        return False
+    backend = getattr(loaded, "_backend", None)
+    size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else len(loaded._hf)
+    if size != len(model):
+        return False
+    added = "".join(str(t) for t in getattr(model, "added_tokens_decoder", {}).values())
+    probe = f"Hello, world! 123 \u00fc\u4e2d\n\n  x{added}"
+    return ours.encode_batch([probe]) == loaded.encode_batch([probe])
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,3 +332,67 @@ class SFTCollate(ArrowBatchCollateFn):
         if self.device is not None:
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
         return tensors
+
+
+class PrimeRLCollate(ArrowBatchCollateFn):
+    """``iter_torch_batches(batch_size=1, collate_fn=PrimeRLCollate(seq_len))``: one packed row -> the micro batch
+    prime-rl's SFT trainer reads (its ``CatDataset`` pack finalized and ``cat_collate``d).
+
+    ``input_ids`` / ``target_ids`` / ``position_ids`` (1, T) long and ``loss_mask`` (1, T) bool, right-padded to
+    ``seq_len`` (None: no padding) with 0, 0, ``range(pad)`` and False; ``seq_lens`` (K,) long, the packed samples
+    with the padding added to the last one (how prime-rl's varlen attention sees it); ``mm_kwargs``: the row's
+    ``pixel_values`` / ``image_grid_thw`` (and video ones) or None; ``mm_token_type_ids`` (1, T) long, 0 on text
+    members and padding, or None when the row has no media. Rows are packed with ``sft_pack_token_budget`` (=
+    prime-rl's ``seq_len * micro_batch_size``); packing stays within one render-actor batch, where prime-rl's packs
+    run across the whole stream.
+    """
+
+    def __init__(self, seq_len: int | None = None, device: str | None = None):
+        super().__init__()
+        self.seq_len = seq_len
+        self.device = device
+
+    def __call__(self, batch: pa.Table) -> dict:
+        import torch
+
+        if batch.num_rows != 1:
+            raise ValueError(f"prime-rl's micro batch is one packed row: use batch_size=1, got {batch.num_rows} rows")
+        ids = _flat(batch.column("input_ids"))[0].astype(np.int64)
+        seq_lens = _flat(batch.column("seq_lens"))[0].astype(np.int64)
+        n = len(ids)
+        pad = 0 if self.seq_len is None else self.seq_len - n
+        if pad < 0:
+            raise ValueError(f"a row of {n} tokens does not fit seq_len={self.seq_len}")
+        positions = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens)
+        if pad:
+            seq_lens = seq_lens.copy()
+            seq_lens[-1] += pad
+
+        def row(values: np.ndarray, fill, dtype, tail: np.ndarray | None = None) -> torch.Tensor:
+            out = np.concatenate([values.astype(dtype), tail if tail is not None else np.full(pad, fill, dtype)])
+            return torch.from_numpy(out).unsqueeze(0)
+
+        out: dict[str, Any] = {
+            "input_ids": row(ids, 0, np.int64),
+            "position_ids": row(positions, 0, np.int64, np.arange(pad, dtype=np.int64)),
+            "loss_mask": row(_flat(batch.column("loss_mask"))[0], False, np.bool_),
+            "target_ids": row(_flat(batch.column("target_ids"))[0], 0, np.int64),
+            "seq_lens": torch.from_numpy(seq_lens),
+            "mm_kwargs": None,
+            "mm_token_type_ids": None,
+        }
+        if "mm_token_type_ids" in batch.column_names and batch.column("mm_token_type_ids")[0].is_valid:
+            out["mm_token_type_ids"] = row(_flat(batch.column("mm_token_type_ids"))[0], 0, np.int64)
+        media = {}
+        for key in MEDIA_TENSOR_COLUMNS:
+            if key in batch.column_names and (record := batch.column(key)[0].as_py()) is not None:
+                media[key] = torch.from_numpy(tensor_from_record(record))
+        if media:
+            out["mm_kwargs"] = media
+        if self.device is not None:
+            for key, value in out.items():
+                if isinstance(value, torch.Tensor):
+                    out[key] = value.to(self.device)
+                elif value is not None:
+                    out[key] = {name: tensor.to(self.device) for name, tensor in value.items()}
+        return out

@@ -39,13 +39,16 @@ from ingest.sft.data import (
 from ingest.sft.render import ChatMLRenderer, Renderer, TemplateRenderer, create_renderer
 from ingest.sft.sample import build_training_sample, conversation_problem
 from ingest.sft.sequence import pack, shift_and_truncate
+from ingest.sft.tokenizers import HFChatTokenizer
 
 __all__ = [
     "MODALITY_TOKEN_TYPES",
     "ChatMLRenderer",
+    "HFChatTokenizer",
     "MediaItem",
     "ModalityData",
     "PlaceholderRange",
+    "PrimeRLCollate",
     "RenderedConversation",
     "RenderedTrainingSample",
     "Renderer",
@@ -62,6 +65,5 @@ __all__ = [
     "shift_and_truncate",
 ]
 
-__getattr__, __dir__ = lazy_exports(
-    globals(), dict.fromkeys(("SFTCollate", "build_sft_dataset", "plan_sft_input"), "ingest.datasets.sft")
-)
+_DATASET_NAMES = ("PrimeRLCollate", "SFTCollate", "build_sft_dataset", "plan_sft_input")
+__getattr__, __dir__ = lazy_exports(globals(), dict.fromkeys(_DATASET_NAMES, "ingest.datasets.sft"))

@@ -20,7 +20,7 @@ from ingest.tokenizer.offline import resolve_model_path
 PAD_TOKENS = {"image": IMAGE_PAD, "video": VIDEO_PAD}
 
 
-def _part_modality(part: Mapping) -> str | None:
+def part_modality(part: Mapping) -> str | None:
     """The Qwen2-VL template's test for a content part (image before video, like the template)."""
     kind = part.get("type")
     if kind == "image" or "image" in part or "image_url" in part:
@@ -53,7 +53,7 @@ def media_values(messages, images, videos) -> dict[str, list]:
         if not isinstance(content, list):
             continue
         for part in content:
-            modality = _part_modality(part) if isinstance(part, Mapping) else None
+            modality = part_modality(part) if isinstance(part, Mapping) else None
             if modality is None:
                 continue
             value = _part_value(part, modality)

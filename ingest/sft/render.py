@@ -16,7 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ingest.sft.data import MediaItem, PlaceholderRange, RenderedConversation, SFTRenderError
-from ingest.sft.media import PAD_TOKENS, MediaProcessor, media_values
+from ingest.sft.media import PAD_TOKENS, MediaProcessor, media_values, part_modality
+from ingest.sft.tokenizers import HFChatTokenizer, as_chat_tokenizer, encode_with_offsets
 from ingest.tokenizer.chat import ChatTokenizer
 from ingest.tokenizer.template import compile_chat_template, render_chat
 
@@ -28,7 +29,7 @@ IM_END = "<|im_end|>"
 class Renderer(Protocol):
     """Turns a conversation into tagged token ids in one pass."""
 
-    tokenizer: ChatTokenizer
+    tokenizer: ChatTokenizer | HFChatTokenizer
     tells_sampled: bool  # False: build_training_sample needs role_to_mask
     stop_token_id: int | None  # the turn-closing token ensure_final_stop appends
 
@@ -46,7 +47,12 @@ class Renderer(Protocol):
 class _TemplateBase:
     tells_sampled = False
 
-    def __init__(self, tokenizer: ChatTokenizer, media: MediaProcessor | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer | HFChatTokenizer,
+        media: MediaProcessor | None = None,
+        chat_template: str | None = None,
+    ):
         self.tokenizer = tokenizer
         self.media = media
         self.chat_template = chat_template or tokenizer.chat_template
@@ -80,6 +86,7 @@ class _TemplateBase:
         process_media: bool = True,
     ) -> RenderedConversation:
         check_structure(messages)
+        messages = template_messages(messages)
         values = media_values(messages, images, videos)
         if any(values.values()) and self.media is None:
             raise SFTRenderError("the conversation has images or videos but the renderer has no processor")
@@ -88,7 +95,7 @@ class _TemplateBase:
         except Exception as exc:
             raise SFTRenderError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         idx_c, sampled_c, content_c = self._char_tags(text, messages, tools)
-        ids, offsets = _encode_with_offsets(self.tokenizer, text)
+        ids, offsets = encode_with_offsets(self.tokenizer, text)
         idx, sampled, content = _token_tags(offsets, idx_c, sampled_c, content_c)
         ids_arr = np.asarray(ids, dtype=np.int64)
         media: list[MediaItem] = []
@@ -139,13 +146,19 @@ class ChatMLRenderer(_TemplateBase):
     Turns are matched to messages in order; a leading system turn the template adds when the conversation has no
     system message is scaffolding (-1); a run of consecutive tool messages may share one turn (Qwen2.5 / Qwen3 wrap
     them in one ``user`` turn). Sampled: body and ``<|im_end|>`` of assistant turns (never the header nor the
-    newline after ``<|im_end|>``). Content: turn bodies. Headers, ``<|im_end|>`` and newlines between turns carry
-    their message's index but are not content.
+    newline after ``<|im_end|>``). Content: on assistant turns the sampled tokens (body and ``<|im_end|>``, as
+    renderers tags them); on other turns the message's own text and media pads inside the body (not the wrappers a
+    template adds there). Headers and newlines between turns carry their message's index but are not content.
     """
 
     tells_sampled = True
 
-    def __init__(self, tokenizer: ChatTokenizer, media: MediaProcessor | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer | HFChatTokenizer,
+        media: MediaProcessor | None = None,
+        chat_template: str | None = None,
+    ):
         super().__init__(tokenizer, media, chat_template)
         if tokenizer.token_id(IM_START) is None or tokenizer.token_id(IM_END) is None:
             raise ValueError("the tokenizer has no <|im_start|> / <|im_end|> tokens: not a ChatML tokenizer")
@@ -161,11 +174,15 @@ class ChatMLRenderer(_TemplateBase):
         for turn, owned in zip(turns, owners, strict=True):
             if not owned:
                 continue
-            content[turn.body_start : turn.body_end] = True
             if turn.role == "assistant":
+                # renderers' rule: on assistant tokens content equals sampled (body + <|im_end|>), so body-only
+                # supervision of the assistant is its sampled tokens
                 sampled[turn.body_start : turn.close_end] = True
+                content[turn.body_start : turn.close_end] = True
             if len(owned) == 1:
                 idx[turn.start : turn.next_start] = owned[0]
+                if turn.role != "assistant":
+                    _mark_content(content, text, messages[owned[0]], turn.body_start, turn.body_end)
                 continue
             # several tool messages in one turn: split at the end of each message's text in the body
             bounds, cursor = [turn.start], turn.body_start
@@ -179,11 +196,47 @@ class ChatMLRenderer(_TemplateBase):
                 bounds.append(cursor)
             if bounds is None:
                 idx[turn.start : turn.next_start] = owned[0]
+                content[turn.body_start : turn.body_end] = True
                 continue
             bounds.append(turn.next_start)
             for j, (a, b) in zip(owned, zip(bounds[:-1], bounds[1:], strict=True), strict=True):
                 idx[a:b] = j
+                _mark_content(content, text, messages[j], max(a, turn.body_start), min(b, turn.body_end))
         return idx, sampled, content
+
+
+def _mark_content(content: np.ndarray, text: str, message: Mapping[str, Any], start: int, end: int) -> None:
+    """Content of a non-assistant message: the characters of its own text (and media pads) inside its turn's body,
+    found in order; the wrappers a template adds around them (``<tool_response>``, a tools prompt around a system
+    message) stay scaffolding, as renderers tags them. A piece not found in order (the template transformed it)
+    makes the whole body content."""
+    value = message.get("content")
+    if isinstance(value, str):
+        pieces = [value]
+    elif isinstance(value, list):
+        pieces = []
+        for part in value:
+            if not isinstance(part, Mapping):
+                continue
+            modality = part_modality(part)
+            if modality is not None:
+                pieces.append(PAD_TOKENS[modality])
+            elif isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+    else:
+        pieces = []
+    spans, cursor = [], start
+    for piece in pieces:
+        if not piece:
+            continue
+        found = text.find(piece, cursor, end)
+        if found < 0:
+            content[start:end] = True
+            return
+        spans.append((found, found + len(piece)))
+        cursor = found + len(piece)
+    for a, b in spans:
+        content[a:b] = True
 
 
 class TemplateRenderer(_TemplateBase):
@@ -214,7 +267,7 @@ class TemplateRenderer(_TemplateBase):
 
 
 def create_renderer(
-    tokenizer: str | os.PathLike | ChatTokenizer | None,
+    tokenizer: Any,
     processor: str | os.PathLike | Any | None = None,
     *,
     chat_template: str | None = None,
@@ -222,15 +275,14 @@ def create_renderer(
 ) -> Renderer:
     """The renderer for a tokenizer: ``ChatMLRenderer`` when the template renders ChatML turns, else the fallback.
 
-    ``tokenizer``: a model directory, hub name, ``embedded:qwen2-vl`` (None = embedded), or a loaded
-    ``ChatTokenizer``. ``processor``: None (text only), a processor directory / name, or a loaded transformers
-    processor (``Qwen2VLProcessor``) or image processor. ``chat_template`` overrides the tokenizer's template.
-    ``kind``: ``auto``, ``chatml`` or ``template``.
+    ``tokenizer``: what renderers' ``create_renderer`` takes, a loaded transformers tokenizer
+    (``PreTrainedTokenizerBase``, fast or slow) or processor (``ProcessorMixin``: its tokenizer, its chat template
+    and, unless ``processor`` is given, its media processing); or a model directory, hub name,
+    ``embedded:qwen2-vl`` (None = embedded), or a loaded ``ChatTokenizer``. ``processor``: None (text only), a
+    processor directory / name, or a loaded transformers processor (``Qwen2VLProcessor``) or image processor.
+    ``chat_template`` overrides the tokenizer's template. ``kind``: ``auto``, ``chatml`` or ``template``.
     """
-    if not isinstance(tokenizer, ChatTokenizer):
-        if tokenizer is not None and not isinstance(tokenizer, str | os.PathLike):
-            raise TypeError(f"tokenizer must be a path, a name or a ChatTokenizer, got {type(tokenizer).__name__}")
-        tokenizer = ChatTokenizer(tokenizer)
+    tokenizer, processor = as_chat_tokenizer(tokenizer, processor)
     media = MediaProcessor(processor) if processor is not None else None
     if kind not in ("auto", "chatml", "template"):
         raise ValueError(f"kind must be 'auto', 'chatml' or 'template', got {kind!r}")
@@ -342,19 +394,6 @@ def _align_turns(turns: list[_Turn], messages: Sequence[Mapping[str, Any]]) -> l
 # --- internals: tokens ------------------------------------------------------------------------------------------------
 
 
-def _encode_with_offsets(tokenizer: ChatTokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ids (``encode_batch``'s: no special tokens added) and character offsets of ``text``."""
-    backend = getattr(tokenizer, "_backend", None)
-    if backend is not None:
-        encoding = backend.encode(text, add_special_tokens=False)
-        return encoding.ids, encoding.offsets
-    hf = getattr(tokenizer, "_hf", None)
-    if hf is None or not getattr(hf, "is_fast", False):
-        raise ValueError("SFT rendering needs a fast (tokenizers-backed) tokenizer for token offsets")
-    out = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-    return out["input_ids"], out["offset_mapping"]
-
-
 def _token_tags(offsets, idx_c: np.ndarray, sampled_c: np.ndarray | None, content_c: np.ndarray | None):
     """Character tags -> token tags. A token inside one tagged region takes its tags; a token straddling regions
     (a body starting with a newline merges with the header's) takes those of its first character of highest
@@ -387,6 +426,32 @@ def _token_tags(offsets, idx_c: np.ndarray, sampled_c: np.ndarray | None, conten
         None if sampled_c is None else sampled_c[rep],
         None if content_c is None else content_c[rep],
     )
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages as the chat template should see them.
+
+    - Keys whose value is None are dropped from each message, as transformers 5's ``apply_chat_template`` does: an
+      OpenAI assistant turn ``{"content": None, "tool_calls": [...]}`` then renders as the template renders a turn
+      without content, instead of failing on ``None``.
+    - In list content, None-valued keys of each part are dropped (renderers' rule): ``{"type": "text", "text": ...,
+      "image": None}``, the shape every part of a Parquet struct column has, is a text part, not an image.
+
+    Nothing deeper is touched: a null inside tool-call arguments is data and renders as ``null``. Messages that need
+    no change are passed as they are (no copy).
+    """
+    out = []
+    for message in messages:
+        if any(v is None for v in message.values()):
+            message = {k: v for k, v in message.items() if v is not None}
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(p, Mapping) and any(v is None for v in p.values()) for p in content
+        ):
+            parts = [{k: v for k, v in p.items() if v is not None} if isinstance(p, Mapping) else p for p in content]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
 
 
 def check_structure(messages: object) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ingest.sft.data import MediaItem, ModalityData, RenderedTrainingSample, SFTRenderError, mm_token_type_ids
@@ -18,6 +18,7 @@ def build_training_sample(
     images: Sequence | None = None,
     videos: Sequence | None = None,
     ensure_final_stop: bool = False,
+    content_sft_roles: Collection[str] | None = None,
 ) -> RenderedTrainingSample:
     """Token ids, loss mask and media of one conversation, as the contract says.
 
@@ -27,6 +28,10 @@ def build_training_sample(
     ``images`` / ``videos``: values for media parts that carry none (``{"type": "image"}``), consumed in order.
     ``ensure_final_stop``: when the last message is the assistant's and its last trained token is not the stop
     token, append the stop token as a trained token.
+    ``content_sft_roles``: body-only supervision (renderers' rule): for messages of these roles the loss mask is
+    the content tag, whatever ``role_to_mask`` and the sampled tags say, so their text is trained and the template's
+    scaffolding around it (headers, ``<|im_end|>``, ``<tool_response>`` wrappers, newlines) is not. A renderer that
+    cannot tell content (the template fallback) ignores it, as renderers' opaque renderers do.
     """
     if not renderer.tells_sampled and role_to_mask is None:
         raise ValueError(
@@ -42,10 +47,18 @@ def build_training_sample(
             selected[j] = True if role_to_mask is None else bool(role_to_mask(messages[j]))
         return selected[j]
 
-    sampled = rendered.sampled
-    loss_mask = [
-        j >= 0 and (sampled is None or sampled[t]) and trained(j) for t, j in enumerate(rendered.message_indices)
-    ]
+    sampled, content = rendered.sampled, rendered.content
+    body_roles = frozenset(content_sft_roles or ()) if content is not None else frozenset()
+    if body_roles:
+        body = [m.get("role") in body_roles for m in messages]
+        loss_mask = [
+            j >= 0 and (content[t] if body[j] else (sampled is None or sampled[t]) and trained(j))
+            for t, j in enumerate(rendered.message_indices)
+        ]
+    else:
+        loss_mask = [
+            j >= 0 and (sampled is None or sampled[t]) and trained(j) for t, j in enumerate(rendered.message_indices)
+        ]
     last = len(messages) - 1
     if ensure_final_stop and messages[last].get("role") == "assistant" and renderer.stop_token_id is not None:
         own = [t for t, j in enumerate(rendered.message_indices) if j == last and (sampled is None or sampled[t])]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from itertools import chain
 from typing import Any
@@ -47,6 +47,7 @@ PLACEHOLDER_STRUCT = pa.struct([("offset", pa.int64()), ("length", pa.int64())])
 GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))
 _ENCODED, _GRID, _SOURCE = "_encoded", "_grid", "_source"  # a deferred image: encoded bytes, grid, (file, row)
 _MEDIA_MARKER = re.compile("<image>|<video>")
+NO_TARGET_POLICIES = ("drop", "keep")  # a sample whose window holds no trained target
 
 
 class DeferredPixels:
@@ -78,13 +79,24 @@ class DeferredPixels:
         return replace(rendered, media=media)
 
 
-def plain(value: Any) -> Any:
+_ARGUMENTS_PATH = ("tool_calls", "function", "arguments")
+
+
+def plain(value: Any, path: tuple[str, ...] = ()) -> Any:
     """An Arrow struct value as the dict a Python source would hold: Arrow gives every row every struct field, so
-    fields missing from a row read back as None; they are dropped (recursively)."""
+    fields missing from a row read back as None; they are dropped (recursively).
+
+    Tool-call arguments are kept as stored (prime-rl's rule: they are an opaque JSON payload, where
+    ``{"reasoning_effort": null}`` is data and renders as ``null``). A struct column cannot tell a stored null from
+    a filled one, so arguments whose keys differ between rows carry the other rows' keys as nulls: store them as
+    JSON strings (OpenAI's own shape), which are passed to the template untouched.
+    """
     if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items() if v is not None}
+        if path[-3:] == _ARGUMENTS_PATH:
+            return value
+        return {k: plain(v, (*path, k)) if isinstance(v, dict | list) else v for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [plain(v) for v in value]
+        return [plain(v, path) if isinstance(v, dict | list) else v for v in value]
     return value
 
 
@@ -117,8 +129,10 @@ class SFTRenderStage:
     """Arrow batch of raw rows (with provenance columns) -> Arrow batch of SFT rows + counts + quarantine records.
 
     ``renderer``: from ``create_renderer`` (with a processor for images / videos). ``media``: emit the media columns
-    (the processor path; the vision stage follows). Counts: ``rows_out`` = samples emitted (a packed row holds
-    several), ``filtered_overlong`` = samples cut to no inputs at all, ``prompt_tokens`` = inputs emitted.
+    (the processor path; the vision stage follows). ``role_to_mask`` / ``content_sft_roles``: as
+    ``build_training_sample``. ``no_target``: ``drop`` (prime-rl's rule) or ``keep`` a sample whose window holds no
+    trained target. Counts: ``rows_out`` = samples emitted (a packed row holds several), ``filtered_overlong`` =
+    samples cut to no inputs at all or dropped with no trained target, ``prompt_tokens`` = inputs emitted.
     """
 
     def __init__(
@@ -129,7 +143,11 @@ class SFTRenderStage:
         *,
         media: bool = False,
         role_to_mask: Callable[[Mapping[str, Any]], bool] | None = None,
+        content_sft_roles: Collection[str] | None = None,
+        no_target: str = "drop",
     ):
+        if no_target not in NO_TARGET_POLICIES:
+            raise ValueError(f"no_target must be one of {', '.join(NO_TARGET_POLICIES)}, got {no_target!r}")
         if not renderer.tells_sampled and role_to_mask is None:
             raise ValueError(
                 f"{type(renderer).__name__} (the chat template is not ChatML) cannot tell sampled tokens: "
@@ -140,6 +158,8 @@ class SFTRenderStage:
         self.files = list((context or StageContext()).files)
         self.media = media
         self.role_to_mask = role_to_mask
+        self.content_sft_roles = frozenset(content_sft_roles) if content_sft_roles else None
+        self.no_target = no_target
         budget = config.sft_pack_token_budget
         limits = [x for x in (config.sft_max_length, budget if budget > 0 else None) if x is not None]
         self.max_length = min(limits) if limits else None
@@ -218,13 +238,21 @@ class SFTRenderStage:
                 self.renderer.source = row_location(self.files, table, i)  # named by the vision stage if it fails
             try:
                 sample = build_training_sample(
-                    self.renderer, messages, role_to_mask=self.role_to_mask, tools=tools, images=images, videos=videos
+                    self.renderer,
+                    messages,
+                    role_to_mask=self.role_to_mask,
+                    tools=tools,
+                    images=images,
+                    videos=videos,
+                    content_sft_roles=self.content_sft_roles,
                 )
             except SFTRenderError as exc:
                 bad[i] = self._error(table, i, str(exc), _blame(str(exc), conversation_column, cfg))
                 continue
             sequence = shift_and_truncate(sample, self.max_length)
-            if not sequence.inputs:
+            # prime-rl drops a sample with no trained target in its window (its loss would divide by zero): counted
+            # with the samples cut to nothing, the ledger's count of samples the sequence limit filtered out
+            if not sequence.inputs or (self.no_target == "drop" and not any(sequence.loss_mask)):
                 filtered += 1
                 continue
             sequences.append(sequence)
