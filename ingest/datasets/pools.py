@@ -5,19 +5,125 @@ decode and vision pools. Every actor is built with the run's ``DataConfig`` and 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Literal
 
 import ray
 
 from ingest.config import DataConfig, StageContext
 from ingest.datasets.plan import InputPlan, units_source
+from ingest.errors import IngestError
+
+# How long a cluster address gets to answer before the run gives up on it. A live GCS answers in milliseconds;
+# ray.init itself would retry a dead one for ~10 minutes (20 connection attempts of ~40 s each in Ray 2.60).
+RAY_JOIN_TIMEOUT_S = 5.0
+
+
+class RayJoinError(IngestError, ConnectionError):
+    """The Ray cluster this process would join does not answer at its address. Also a ``ConnectionError``, the type
+    ``ray.init`` raises when it finally gives up, so code that catches Ray's error catches this one."""
 
 
 def ensure_ray() -> None:
     """Join the cluster this process runs in (a Ray job sets RAY_ADDRESS), else start a local one without the
-    dashboard: Ray Data's own start would bring it (nine more processes, ~200 MiB on a new local cluster)."""
+    dashboard: Ray Data's own start would bring it (nine more processes, ~200 MiB on a new local cluster).
+
+    The address ``ray.init`` would join (``RAY_ADDRESS``, else the one an earlier ``ray start`` recorded) is probed
+    first: one that does not answer raises ``RayJoinError`` within ``RAY_JOIN_TIMEOUT_S``."""
     if not ray.is_initialized():
+        check_ray_address()
         ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
+
+
+def ray_address_to_join() -> tuple[str, str] | None:
+    """(address, where it came from) of the cluster a plain ``ray.init()`` would join; None when it would start a
+    local cluster or dial something this probe does not speak to (a ``scheme://`` client address other than
+    ``ray://``, ``auto`` with nothing recorded: Ray answers those quickly by itself)."""
+    from ray._private.utils import get_ray_address_file, read_ray_address
+
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env and env != "auto":
+        return None if env == "local" else (env, "RAY_ADDRESS")
+    recorded = read_ray_address()  # Ray's own lookup: ray_current_cluster under RAY_TMPDIR / TMPDIR / /tmp
+    return (recorded, get_ray_address_file(None)) if recorded else None
+
+
+def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:
+    """Raise ``RayJoinError`` naming the address and the ways out when the cluster ``ray.init()`` would join does not
+    answer within ``timeout_s``; return at once when there is nothing to probe."""
+    target = ray_address_to_join()
+    if target is None:
+        return
+    address, source = target
+    client = address.startswith("ray://")
+    if "://" in address and not client:
+        return
+    from ray._common.network_utils import parse_address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    bare = address.removeprefix("ray://")
+    # probe what ray.init dials: it turns a loopback host into this node's IP address
+    dialled = bare if client else canonicalize_bootstrap_address(bare)
+    parsed = parse_address(dialled) if dialled else None
+    if parsed is None:
+        return  # not host:port: ray.init rejects it at once with its own message
+    host, port = parsed
+    failure = _probe(host, int(port), timeout_s, gcs=not client)
+    if failure is None:
+        return
+    shown = address if dialled in (address, bare) else f"{address} (dialled as {dialled})"
+    if source == "RAY_ADDRESS":
+        where = f"RAY_ADDRESS={address}"
+        way_out = (
+            "Set RAY_ADDRESS to a running cluster's head (<host>:<port>), RAY_ADDRESS=local to start a new local "
+            "cluster, or unset it to use the cluster `ray start` recorded on this machine."
+        )
+    else:
+        where = f"recorded in {source} by an earlier `ray start`"
+        way_out = (
+            "Run `ray stop` (or delete that file) to forget it, set RAY_ADDRESS=local to start a new local cluster, "
+            "or set RAY_ADDRESS=<host>:<port> to join a running one."
+        )
+    raise RayJoinError(f"no Ray cluster answers at {shown} ({where}): {failure}. {way_out}")
+
+
+def _probe(host: str, port: int, timeout_s: float, *, gcs: bool) -> str | None:
+    """None when ``host:port`` accepts a connection (and, with ``gcs``, answers a GCS request) within ``timeout_s``;
+    else what went wrong, in words. The request is the first one ``ray.init`` sends (GetClusterId), over Ray's own
+    channel (TLS and token settings as ``ray.init`` uses them), so a frozen head or another program on a reused port
+    fails here too, not only a closed port."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()  # a plain answer for a closed port
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    if not gcs:
+        return None
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # a Ray without these modules: the TCP answer is all there is
+        return None
+    channel = init_grpc_channel(f"{host}:{port}")
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=max(0.1, deadline - time.monotonic()))
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"no answer within {timeout_s:g} s"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return f"unavailable ({exc.details()})"
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return "something answers on that port, but it is not a Ray GCS"
+        # anything else (e.g. a token the head refuses) is the GCS answering: ray.init reports it properly
+    finally:
+        channel.close()
+    return None
 
 
 def actor_kwargs(cfg: DataConfig, context: StageContext, **models: str | os.PathLike | None) -> dict:
