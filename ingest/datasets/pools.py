@@ -40,13 +40,17 @@ def ray_address_to_join() -> tuple[str, str] | None:
     """(address, where it came from) of the cluster a plain ``ray.init()`` would join; None when it would start a
     local cluster or dial something this probe does not speak to (a ``scheme://`` client address other than
     ``ray://``, ``auto`` with nothing recorded: Ray answers those quickly by itself)."""
-    from ray._private.utils import get_ray_address_file, read_ray_address
+    from ray._common.utils import get_ray_address_file
 
     env = os.environ.get("RAY_ADDRESS", "").strip()
     if env and env != "auto":
         return None if env == "local" else (env, "RAY_ADDRESS")
-    recorded = read_ray_address()  # Ray's own lookup: ray_current_cluster under RAY_TMPDIR / TMPDIR / /tmp
-    return (recorded, get_ray_address_file(None)) if recorded else None
+    recorded_in = get_ray_address_file(None)  # Ray's own lookup: ray_current_cluster under RAY_TMPDIR / TMPDIR / /tmp
+    try:
+        recorded = open(recorded_in).read().strip()
+    except OSError:
+        return None
+    return (recorded, recorded_in) if recorded else None
 
 
 def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:
@@ -59,16 +63,14 @@ def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:
     client = address.startswith("ray://")
     if "://" in address and not client:
         return
-    from ray._common.network_utils import parse_address
-    from ray._private.services import canonicalize_bootstrap_address
-
     bare = address.removeprefix("ray://")
-    # probe what ray.init dials: it turns a loopback host into this node's IP address
-    dialled = bare if client else canonicalize_bootstrap_address(bare)
-    parsed = parse_address(dialled) if dialled else None
-    if parsed is None:
+    host, _, port = bare.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
         return  # not host:port: ray.init rejects it at once with its own message
-    host, port = parsed
+    if not client and host in ("localhost", "127.0.0.1", "::1"):
+        host = ray.util.get_node_ip_address()  # what ray.init dials for a loopback head
+    dialled = f"{host}:{port}"
     failure = _probe(host, int(port), timeout_s, gcs=not client)
     if failure is None:
         return
@@ -90,8 +92,8 @@ def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:
 
 def _probe(host: str, port: int, timeout_s: float, *, gcs: bool) -> str | None:
     """None when ``host:port`` accepts a connection (and, with ``gcs``, answers a GCS request) within ``timeout_s``;
-    else what went wrong, in words. The request is the first one ``ray.init`` sends (GetClusterId), over Ray's own
-    channel (TLS and token settings as ``ray.init`` uses them), so a frozen head or another program on a reused port
+    else what went wrong, in words. The request is the first one ``ray.init`` sends (GetClusterId); a head that
+    refuses it for want of a token has answered all the same. So a frozen head or another program on a reused port
     fails here too, not only a closed port."""
     deadline = time.monotonic() + timeout_s
     try:
@@ -102,13 +104,14 @@ def _probe(host: str, port: int, timeout_s: float, *, gcs: bool) -> str | None:
         return (exc.strerror or str(exc)).lower()
     if not gcs:
         return None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None  # a TLS head needs Ray's own credentials to ask: the TCP answer is all there is
     try:
         import grpc
-        from ray._private.grpc_utils import init_grpc_channel
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
     except ImportError:  # a Ray without these modules: the TCP answer is all there is
         return None
-    channel = init_grpc_channel(f"{host}:{port}")
+    channel = grpc.insecure_channel(f"{host}:{port}")
     try:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=max(0.1, deadline - time.monotonic()))
