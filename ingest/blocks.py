@@ -45,6 +45,17 @@ DEFERRED_VIDEO_COLUMN = "_media_deferred_videos"
 # the row's verl keys that stay tensors (not shown in quarantine records)
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
 GRIDS_TYPE = pa.list_(pa.list_(pa.int64(), 3))  # (t, h, w) per image or video of a row
+# fetch_video's ``video_metadata`` of one video (verl 0.6 hands ``(frames, metadata)`` to the rollout and the
+# processor): a file's fps, sampled frame numbers, frame count in range and reader; a frame list's stand-in values
+VIDEO_METADATA_STRUCT = pa.struct(
+    [
+        ("fps", pa.float64()),
+        ("frames_indices", pa.list_(pa.int64())),
+        ("total_num_frames", pa.float64()),
+        ("from_file", pa.bool_()),
+        ("video_backend", pa.string()),
+    ]
+)
 # how the decode stage samples one video: a file's bytes (or a frame list's images) and the frames to take
 VIDEO_PLAN_STRUCT = pa.struct(
     [
@@ -55,6 +66,7 @@ VIDEO_PLAN_STRUCT = pa.struct(
         ("frame_height", pa.int64()),
         ("height", pa.int64()),
         ("width", pa.int64()),
+        ("metadata", VIDEO_METADATA_STRUCT),
     ]
 )
 
@@ -79,10 +91,18 @@ IMAGE_STRUCT = pa.struct(
 MULTI_MODAL_DATA = "multi_modal_data"
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 VIDEO_FRAMES_COLUMN = "_media_video_frames"  # decoded, sampled frames before the final resize
-FRAMES_STRUCT = pa.struct([("frames", TENSOR_STRUCT), ("height", pa.int64()), ("width", pa.int64())])
+FRAMES_STRUCT = pa.struct(
+    [("frames", TENSOR_STRUCT), ("height", pa.int64()), ("width", pa.int64()), ("metadata", VIDEO_METADATA_STRUCT)]
+)
 # a video file left to the vision stage (vision_decode_video_on_device): its bytes and the frames to take
 DEFERRED_VIDEO_STRUCT = pa.struct([("data", pa.large_binary()), ("indices", pa.list_(pa.int64()))])
-MULTI_MODAL_DATA_TYPE = pa.struct([("image", pa.list_(IMAGE_STRUCT)), ("video", pa.list_(TENSOR_STRUCT))])
+MULTI_MODAL_DATA_TYPE = pa.struct(
+    [
+        ("image", pa.list_(IMAGE_STRUCT)),
+        ("video", pa.list_(TENSOR_STRUCT)),
+        ("video_metadata", pa.list_(VIDEO_METADATA_STRUCT)),  # one per video: verl 0.6's (frames, metadata) pairs
+    ]
+)
 MULTI_MODAL_INPUTS_TYPE = pa.struct(
     [
         ("pixel_values", PIXELS_STRUCT),

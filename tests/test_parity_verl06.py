@@ -1,8 +1,10 @@
 """``row_format: verl-0.6`` against verl 0.6.1 itself: same keys, dtypes, shapes, values, row count and order, batch
-by batch: text prompts, and image prompts with Qwen2-VL and Qwen2.5-VL processors ((4, M) positions)."""
+by batch: text prompts; image prompts with Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors and video prompts (frame lists
+and files) with Qwen2-VL and Qwen2.5-VL ((4, M) positions)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from ingest import DataConfig, VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available
-from ingest.devtools.samples import qwen25_vl_model_dir, write_video_parquet
+from ingest.devtools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.test_parity_text import BATCH, CONFIGS
@@ -74,11 +76,16 @@ IMAGE_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+_FAMILIES = {"qwen2.5-vl": qwen25_vl_model_dir, "qwen3-vl": qwen3_vl_model_dir}
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def test_image_rows_equal_verl_06(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
     """Every image kind through the processor path: (4, M) positions (a text row, pads 1, over the three rope rows),
-    PIL images, ``pixel_values`` and grids exactly verl 0.6.1's; Qwen2.5-VL with its larger pixel budget."""
-    model = model_dir if family == "qwen2-vl" else qwen25_vl_model_dir(tmp_path_factory.mktemp("qwen25-vl"), model_dir)
+    PIL images, ``pixel_values`` and grids exactly verl 0.6.1's; Qwen2.5-VL with its larger pixel budget, Qwen3-VL
+    with its 16-pixel patches, mean / std and own rope index."""
+    build = _FAMILIES.get(family)
+    model = model_dir if build is None else build(tmp_path_factory.mktemp(family), model_dir)
     runs = _verl(geo3k_files, model, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), model, batch_size=8)
     for config, expected in zip(IMAGE_CONFIGS, runs, strict=True):
         assert "error" not in expected, expected.get("error")
@@ -87,14 +94,56 @@ def test_image_rows_equal_verl_06(ray_session, geo3k_files, model_dir, tmp_path_
         assert_same_batches(ours, expected["batches"])
 
 
-def test_videos_and_other_processors_are_refused_before_reading(ray_session, model_dir, tmp_path):
-    """verl 0.6's video tuples and Qwen3-VL positions are not built: one error naming them, before any data is read."""
+# (dataset kind, with images, processor family, config): the 700-token limit filters the two-video frame-list rows
+VIDEO_CASES = {
+    "frames": ("frames", False, "qwen2-vl", {"truncation": "left", "max_prompt_length": 700, "return_raw_chat": True}),
+    "file": ("file", False, "qwen2-vl", {"truncation": "right", "max_prompt_length": 1100}),
+    "file qwen2.5-vl": ("file", False, "qwen2.5-vl", {"truncation": "left", "max_prompt_length": 1100}),
+    "frames+image": ("frames", True, "qwen2-vl", {"truncation": "left", "max_prompt_length": 2048}),
+}
+
+
+def _with_reader(batches: list[dict], reader: str) -> list[dict]:
+    """``batches`` with every video file's metadata naming ``reader``."""
+    for batch in batches:
+        for media in batch.get("multi_modal_data", ()):
+            for _, metadata in media.get("video", ()):
+                if "video_backend" in metadata:
+                    metadata["video_backend"] = reader
+    return batches
+
+
+@pytest.mark.parametrize("name", list(VIDEO_CASES))
+def test_video_rows_equal_verl_06(ray_session, model_dir, tmp_path_factory, name):
+    """verl 0.6's video rows: ``(frames, metadata)`` pairs with fetch_video's metadata (a file's fps, sampled frame
+    numbers and frame count; a frame list's stand-in clock), the processor's video inputs and (4, M) positions. The
+    one value that differs by design: a file's ``video_backend`` names the reader that decoded it, PyAV here (verl's
+    is whichever reader qwen-vl-utils finds installed)."""
+    kind, images, family, config = VIDEO_CASES[name]
+    build = _FAMILIES.get(family)
+    model = model_dir if build is None else build(tmp_path_factory.mktemp(family), model_dir)
+    files = write_video_parquet(tmp_path_factory.mktemp("videos"), 12, kind=kind, with_images=images)
+    config = {**config, "filter_overlong_prompts": True}
+    expected = _verl(files, model, [config], tmp_path_factory.mktemp("verl-cache"), model, batch_size=4)[0]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours(files, model, config, processor=model, batch_size=4)
+    videos = [v for b in ours for media in b["multi_modal_data"] for v in media.get("video", ())]
+    assert videos and all(isinstance(v, tuple) and v[0].dtype == np.float32 for v in videos)
+    readers = {metadata.get("video_backend") for _, metadata in videos}
+    assert readers == ({"pyav"} if kind == "file" else {None})
+    assert_same_batches(ours, _with_reader(expected["batches"], "pyav"))
+
+
+def test_qwen3_vl_videos_and_other_processors_are_refused_before_reading(ray_session, model_dir, tmp_path):
+    """Qwen3-VL's per-frame timestamps and processors outside verl 0.6's Qwen-VL rope branch are not built: one error
+    naming them, before any data is read."""
     files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
-    with pytest.raises(ValueError, match="video tuples are not built"):
-        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=model_dir)
-    qwen3 = tmp_path / "qwen3-vl"
-    qwen25_vl_model_dir(qwen3, model_dir)
-    config = qwen3 / "processor_config.json"
-    config.write_text(config.read_text().replace("Qwen2_5_VLProcessor", "Qwen3VLProcessor"))
-    with pytest.raises(ValueError, match="is a Qwen3VLProcessor"):
-        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=str(qwen3))
+    qwen3 = qwen3_vl_model_dir(tmp_path / "qwen3-vl", model_dir)
+    with pytest.raises(ValueError, match="per-frame timestamps not built"):
+        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=qwen3)
+    other = tmp_path / "other"
+    qwen25_vl_model_dir(other, model_dir)
+    config = other / "processor_config.json"
+    config.write_text(config.read_text().replace("Qwen2_5_VLProcessor", "Glm4vProcessor"))
+    with pytest.raises(ValueError, match="is a Glm4vProcessor"):
+        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=str(other))

@@ -75,8 +75,10 @@ def check_model_path(name_or_path: str | os.PathLike | None, what: str = "tokeni
         raise ModelLoadError(f"{what} directory has no {' or '.join(wanted)}: {path}")
 
 
-# the processors whose rows each row format builds (verl's Qwen2-VL rope branch: Qwen2-VL and Qwen2.5-VL)
+# the processors whose rows each row format builds (verl's Qwen-VL rope branch: Qwen2-VL and Qwen2.5-VL; verl 0.6 adds
+# Qwen3-VL)
 _QWEN2_VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+_ROPE_PROCESSORS = {"verl-0.5": _QWEN2_VL_PROCESSORS, "verl-0.6": (*_QWEN2_VL_PROCESSORS, "Qwen3VLProcessor")}
 
 
 def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan: InputPlan) -> None:
@@ -89,25 +91,28 @@ def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan:
 
     path = resolve_model_path(processor)
     family = processor_class(path) if os.path.isdir(path) else None
-    if family is not None and cfg.row_format in ("verl-0.5", "verl-0.6") and family not in _QWEN2_VL_PROCESSORS:
+    built = _ROPE_PROCESSORS.get(cfg.row_format)
+    if family is not None and built is not None and family not in built:
         raise ValueError(
-            f"row_format {cfg.row_format} builds the rows of the Qwen2-VL family ({', '.join(_QWEN2_VL_PROCESSORS)}); "
+            f"row_format {cfg.row_format} builds the rows of the Qwen-VL processors {', '.join(built)}; "
             f"the processor {processor} is a {family} (verl-0.9 rows carry the media for any processor)"
         )
     with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
-    if with_videos and cfg.row_format == "verl-0.9" and cfg.filter_overlong_prompts and "Qwen3VL" in (family or ""):
+    if not with_videos or "Qwen3VL" not in (family or ""):
+        return
+    # Qwen3-VL's processor writes a timestamp before every frame of a video: not built here yet
+    if cfg.row_format == "verl-0.9" and cfg.filter_overlong_prompts:
         raise ValueError(
             f"row_format verl-0.9 measures prompts for its overlong filter; {_describe(with_videos[0])} has a "
             f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
             "per-frame timestamps not measured here yet (filter_overlong_prompts: false passes them through)"
         )
     if cfg.row_format == "verl-0.6":
-        if with_videos:
-            raise ValueError(
-                f"row_format verl-0.6 with a processor builds image and text rows; {_describe(with_videos[0])} has a "
-                f"{cfg.video_key!r} column (verl 0.6's (frames, metadata) video tuples are not built yet: use "
-                "verl-0.5 or verl-0.9 rows)"
-            )
+        raise ValueError(
+            f"row_format verl-0.6 builds Qwen3-VL image and text rows; {_describe(with_videos[0])} has a "
+            f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
+            "per-frame timestamps not built here yet (verl-0.9 rows with filter_overlong_prompts: false carry them)"
+        )
 
 
 def units_source(plan: InputPlan, cfg: DataConfig, epoch: int = 0, ledger=None) -> ParquetUnitsDatasource:

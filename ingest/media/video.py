@@ -171,6 +171,7 @@ class VideoPlan:
     frame_height: int
     height: int  # final size of every frame
     width: int
+    metadata: dict  # a blocks.VIDEO_METADATA_STRUCT record (``video_metadata``), less the reader's name
 
     @property
     def nframes(self) -> int:
@@ -185,7 +186,17 @@ class VideoPlan:
             "frame_height": self.frame_height,
             "height": self.height,
             "width": self.width,
+            "metadata": self.metadata,
         }
+
+
+def video_metadata(record: dict) -> dict:
+    """The metadata dict fetch_video returns for one video, from its ``blocks.VIDEO_METADATA_STRUCT`` record: a file's
+    frame count is an int and names its reader; a frame list's count is the float its stand-in computes."""
+    out = {"fps": record["fps"], "frames_indices": list(record["frames_indices"])}
+    if record["from_file"]:
+        return {**out, "total_num_frames": int(record["total_num_frames"]), "video_backend": record["video_backend"]}
+    return {**out, "total_num_frames": record["total_num_frames"]}
 
 
 def video_options(value) -> tuple[object, dict]:
@@ -218,6 +229,8 @@ def probe_video(value, storage_options: dict | None = None) -> VideoPlan:
                 total = sum(1 for p in container.demux(stream) if p.size)
         indices = frame_indices(options, total, fps)
         plan_data, frame_w, frame_h = [data], width, height
+        counted = frame_range(options, total, fps)[2]
+        metadata = {"fps": fps, "frames_indices": indices, "total_num_frames": float(counted), "from_file": True}
     elif isinstance(source, list | tuple):
         if not source:
             raise ValueError("video frame list is empty")
@@ -231,11 +244,20 @@ def probe_video(value, storage_options: dict | None = None) -> VideoPlan:
         nframes = _ceil(len(plan_data), FRAME_FACTOR)
         indices = list(range(len(plan_data))) + [len(plan_data) - 1] * (nframes - len(plan_data))
         factor_size = (frame_h, frame_w)
+        # fetch_video's stand-in metadata for a frame list: positions, a clock from sample_fps / raw_fps
+        sample_fps = float(options.get("sample_fps", FPS))
+        raw_fps = float(options.get("raw_fps", sample_fps))
+        metadata = {
+            "fps": raw_fps,
+            "frames_indices": list(range(nframes)),
+            "total_num_frames": nframes / sample_fps * raw_fps,
+            "from_file": False,
+        }
     else:
         raise ValueError(VIDEO_FORMAT_HELP)
     h, w = factor_size or (frame_h, frame_w)
     height, width = video_size(len(indices), h, w, options)
-    return VideoPlan(isinstance(source, str), plan_data, indices, frame_w, frame_h, height, width)
+    return VideoPlan(isinstance(source, str), plan_data, indices, frame_w, frame_h, height, width, metadata)
 
 
 def decode_video_frames(plan: dict) -> np.ndarray:

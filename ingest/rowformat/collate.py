@@ -25,6 +25,7 @@ from ingest.blocks import (
     tensor_rows,
 )
 from ingest.config import resolve_row_format
+from ingest.media.video import video_metadata
 from ingest.rowformat.raw_prompt import fill_images
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
 
@@ -77,25 +78,29 @@ def _images(column: pa.Array) -> list[list | None]:
     return rows
 
 
-def _media_data(column: pa.ChunkedArray, keep_empty: bool = True) -> list[dict]:
+def _media_data(column: pa.ChunkedArray, row_format: str = "verl-0.5") -> list[dict]:
     """``{"image": [PIL RGB], "video": [(T, 3, H, W) float32]}`` per row, rebuilt at the consumer (modalities the row
-    has; ``{}`` for a row without media; ``keep_empty`` False: nor for an empty list, as verl 0.6). Chunk by chunk: a
-    batch spanning blocks would otherwise copy its pixels once more before PIL copies them."""
-    return [row for chunk in column.chunks for row in _media_data_chunk(chunk, keep_empty)]
+    has; ``{}`` for a row without media). verl 0.6 leaves out a modality whose list is empty and pairs each video with
+    fetch_video's metadata: ``(frames, metadata)``. Chunk by chunk: a batch spanning blocks would otherwise copy its
+    pixels once more before PIL copies them."""
+    return [row for chunk in column.chunks for row in _media_data_chunk(chunk, row_format == "verl-0.5")]
 
 
-def _media_data_chunk(column: pa.Array, keep_empty: bool) -> list[dict]:
+def _media_data_chunk(column: pa.Array, verl_05: bool) -> list[dict]:
     names = [column.type.field(i).name for i in range(column.type.num_fields)]
     images = _images(column.field("image")) if "image" in names else [None] * len(column)
     videos = column.field("video").to_pylist() if "video" in names else [None] * len(column)
+    metadata = column.field("video_metadata").to_pylist() if "video_metadata" in names else [None] * len(column)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     out = []
     for i in range(len(column)):
         row = {}
-        if valid[i] and images[i] is not None and (keep_empty or images[i]):
+        if valid[i] and images[i] is not None and (verl_05 or images[i]):
             row["image"] = images[i]
-        if valid[i] and videos[i] is not None and (keep_empty or videos[i]):
-            row["video"] = [_video_from_record(r) for r in videos[i]]
+        if valid[i] and videos[i] is not None and (verl_05 or videos[i]):
+            frames = [_video_from_record(r) for r in videos[i]]
+            pairs = zip(frames, map(video_metadata, metadata[i] or ()), strict=True)
+            row["video"] = frames if verl_05 else list(pairs)
         out.append(row)
     return out
 
@@ -192,7 +197,7 @@ class VerlCollate(ArrowBatchCollateFn):
                 tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
                 tensors[name] = tensor.to(self.device) if self.device is not None else tensor
             elif name == "multi_modal_data":
-                media = _media_data(column, keep_empty=self.row_format == "verl-0.5")
+                media = _media_data(column, self.row_format)
                 others[name] = object_array(media, one_dimensional=self.one_dimensional)
             elif name == "multi_modal_inputs":
                 others[name] = object_array(_media_inputs(column, self.device), one_dimensional=self.one_dimensional)

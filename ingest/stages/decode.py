@@ -113,7 +113,7 @@ class DecodeStage:
         frame indices go under ``deferred`` (for ``DEFERRED_VIDEO_COLUMN``)."""
         if self.defer_video and plan["is_file"]:
             deferred = {"data": plan["data"][0], "indices": plan["indices"]}
-            return {"frames": None, "height": plan["height"], "width": plan["width"], "deferred": deferred}
+            return {**_frame_fields(plan), "frames": None, "deferred": deferred}
         record = _sampled_frames(plan)
         return {**record, "deferred": None} if self.defer_video else record
 
@@ -131,5 +131,9 @@ def _hasdeferred_values(images: list | None, videos: list | None) -> bool:
     return any(jpeg is not None for *_, jpeg in images or ()) or any(v.get("deferred") for v in videos or ())
 
 
+def _frame_fields(plan: dict) -> dict:
+    return {"height": plan["height"], "width": plan["width"], "metadata": plan["metadata"]}
+
+
 def _sampled_frames(plan: dict) -> dict:
-    return {"frames": tensor_record(decode_video_frames(plan)), "height": plan["height"], "width": plan["width"]}
+    return {**_frame_fields(plan), "frames": tensor_record(decode_video_frames(plan))}

@@ -10,6 +10,7 @@ row by the grids, which must equal the ones the tokenize stage derived from head
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -29,6 +30,7 @@ from ingest.blocks import (
     TENSOR_STRUCT,
     VIDEO_FRAMES_COLUMN,
     VIDEO_GRIDS_COLUMN,
+    VIDEO_METADATA_STRUCT,
     contiguous,
     deferred_values,
     drop_internal_columns,
@@ -153,9 +155,10 @@ class VisionStage:
         image_inputs = None
         if any(images):
             image_inputs = self._image_inputs(images, table.column(IMAGE_GRIDS_COLUMN), on_device)
-        videos = [None] * n
+        videos, metadata = [None] * n, [None] * n
         for i, row in enumerate(table.column(VIDEO_FRAMES_COLUMN).to_pylist()):
             if row is not None:  # frames decoded by the decode stage, or here (video_frames: deferred files)
+                metadata[i] = [self._with_reader(v["metadata"], (i, j) in video_frames) for j, v in enumerate(row)]
                 videos[i] = [
                     resize_frames(
                         video_frames[i, j] if (i, j) in video_frames else tensor_from_record(v["frames"]),
@@ -176,7 +179,11 @@ class VisionStage:
             )
         video_records = [None if row is None else [tensor_record(v.cpu().numpy()) for v in row] for row in videos]
         data = pa.StructArray.from_arrays(
-            [contiguous(table.column(MULTI_MODAL_DATA)), pa.array(video_records, type=pa.list_(TENSOR_STRUCT))],
+            [
+                contiguous(table.column(MULTI_MODAL_DATA)),
+                pa.array(video_records, type=pa.list_(TENSOR_STRUCT)),
+                pa.array(metadata, type=pa.list_(VIDEO_METADATA_STRUCT)),
+            ],
             fields=list(MULTI_MODAL_DATA_TYPE),
         )
         table = table.set_column(table.column_names.index(MULTI_MODAL_DATA), MULTI_MODAL_DATA, data)
@@ -185,6 +192,16 @@ class VisionStage:
             return table
         index = table.column_names.index(MULTI_MODAL_DATA) + 1
         return table.add_column(index, MULTI_MODAL_INPUTS, self._inputs_column(image_inputs, inputs))
+
+    def _with_reader(self, metadata: dict, decoded_here: bool) -> dict:
+        """A file's metadata names the reader that decoded it (the decode stage's PyAV, or this stage's decoder)."""
+        if not metadata["from_file"]:
+            return metadata
+        return {**metadata, "video_backend": self._video_reader if decoded_here else "pyav"}
+
+    @functools.cached_property
+    def _video_reader(self) -> str:
+        return video_file_decoder(self.device, self.video_decoder)
 
     def _decodedeferred_values(self, table: pa.Table) -> tuple[StageResult, dict[int, object], dict[tuple, object]]:
         """Decode the media the decode stage left encoded. JPEGs: one batched call on ``device`` (nvJPEG through
