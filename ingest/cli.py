@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ingest").setLevel(logging.INFO)  # the run's own choices (media layout, epoch count)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -138,12 +138,14 @@ class DataConfig:
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
     tokenizer_num_cpus: float = 0.5  # per actor; reads run inside these actors (Ray Data fuses them)
     decode_pool_min_size: int = 1
-    decode_pool_max_size: int = 2  # 0: no decode pool, the tokenizer actors decode (fewer processes, small machines)
+    # 0: no decode pool, the tokenizer actors decode (fewer processes, small machines). None (the default) with
+    # vision_pool_max_size None too: both chosen from the cluster (ingest/datasets/layout.py)
+    decode_pool_max_size: int | None = None
     decode_num_cpus: float = 0.5
     vision_pool_min_size: int = 1
     # 0: no vision pool, the actors of the stage before it (decode, or the tokenizer actors when decode_pool_max_size
     # is 0 too) run the vision stage on their CPU: two processes fewer and one object-store copy of the pixels fewer
-    vision_pool_max_size: int = 2
+    vision_pool_max_size: int | None = None  # None: as decode_pool_max_size
     vision_num_cpus: float = 0.5
     vision_num_gpus: float = 0.0  # > 0 puts the vision pool on GPU actors (fractional allowed)
     vision_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when the actor sees a GPU)
@@ -185,7 +187,7 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         for pool in ("tokenizer", "decode", "vision"):
             low, high = getattr(self, f"{pool}_pool_min_size"), getattr(self, f"{pool}_pool_max_size")
-            if pool in ("decode", "vision") and high == 0:  # run in the actors of the stage before
+            if pool in ("decode", "vision") and high in (0, None):  # the actors before / the cluster's layout
                 continue
             if not 1 <= low <= high:
                 raise ValueError(f"need 1 <= {pool}_pool_min_size <= {pool}_pool_max_size, got {low}..{high}")

@@ -17,7 +17,7 @@ import ray
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.pools import ensure_ray
-from ingest.datasets.rl import build_dataset
+from ingest.datasets.rl import build_dataset, cluster_layout
 from ingest.errors import IngestError, SourceError
 from ingest.read.files import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
 from ingest.stats import RunLedger, RunSummary
@@ -111,6 +111,7 @@ class RunReport(RunSummary):
     files_quarantined: int = 0
     files_quarantined_rows_unknown: int = 0
     rows_quarantined_in_files: int = 0
+    layout: str | None = None  # the media pools' layout and why (``Layout.describe``); None for text rows
 
     @classmethod
     def of(cls, summary: RunSummary, bad_files: list[BadFile]) -> RunReport:
@@ -130,6 +131,8 @@ class RunReport(RunSummary):
             if self.files_quarantined_rows_unknown:
                 note += f"; {self.files_quarantined_rows_unknown} files of unknown size, rows not counted"
             lines.insert(at, f"quarantined files  {self.files_quarantined:>12,}{note})")
+        if self.layout:
+            lines.append(f"media layout       {self.layout}")
         return "\n".join(lines)
 
 
@@ -213,10 +216,13 @@ def run_pipeline(
     plan, bad_files = plan_run(files, cfg, multimodal=processor is not None)
     run_id = uuid.uuid4().hex[:12]  # the ``run`` tag of the exported counters
     ledger = RunLedger.remote(run_id)
+    layout = cluster_layout(cfg) if processor is not None else None
+    cfg = layout.apply(cfg) if layout else cfg
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
     summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output, run_id=run_id)
     writer = _PartWriter(output) if output else None
     summary = RunReport.of(summary, bad_files)  # rows of quarantined files count as rows in and quarantined
+    summary.layout = layout.describe() if layout else None
     try:
         for batch in ds.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
             if summary.time_to_first_batch_s is None:

@@ -56,8 +56,13 @@ def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_
     assert_same_batches(_ours(geo3k_files, model_dir, CONFIGS[index]), expected["batches"])
 
 
-# pools of size 0: their stage runs in the actors of the stage before it (the actor pools that remain)
+# pools of size 0: their stage runs in the actors of the stage before it (the actor pools that remain); the test
+# session's 4-CPU cluster lays unset sizes out as one pool, so the three pools are named here
 _FUSED_LAYOUTS = {
+    "three pools": (
+        {"decode_pool_max_size": 1, "vision_pool_max_size": 1},
+        ["TokenizeActor", "DecodeActor", "VisionActor"],
+    ),
     "decode in the tokenizer actors": ({"decode_pool_max_size": 0}, ["TokenizeActor", "VisionActor"]),
     "decode and vision in the tokenizer actors": (
         {"decode_pool_max_size": 0, "vision_pool_max_size": 0},

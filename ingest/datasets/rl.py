@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +11,11 @@ from typing import Any
 import ray
 
 from ingest.config import DataConfig
+from ingest.datasets.layout import Layout, choose_layout
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, check_row_format, plan_input
-from ingest.datasets.pools import actor_kwargs, map_on_pool, read_units_into_pool
+from ingest.datasets.pools import actor_kwargs, ensure_ray, map_on_pool, read_units_into_pool
+
+logger = logging.getLogger(__name__)
 
 
 def build_dataset(
@@ -42,6 +46,8 @@ def build_dataset(
     check_row_format(cfg, processor, plan)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
+    if processor is not None:  # text rows have no media pools to lay out
+        cfg = cluster_layout(cfg).apply(cfg)
     context = plan.context(ledger, keep_provenance)
     models = actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor)
     ds = read_units_into_pool(plan, cfg, context, TokenizeActor, models, epoch=epoch)
@@ -55,3 +61,12 @@ def build_dataset(
     if cfg.row_format == "verl-0.9" or cfg.vision_pool_max_size == 0:  # verl 0.9 rows: the rollout processes media
         return ds
     return map_on_pool(ds, cfg, "vision", VisionActor, media)
+
+
+def cluster_layout(cfg: DataConfig) -> Layout:
+    """The media pools' layout for ``cfg`` on the cluster this process joins (logged when chosen here)."""
+    ensure_ray()
+    layout = choose_layout(cfg, ray.cluster_resources())
+    if layout.name != "config":  # a choice made here, not the user's: say which and why
+        logger.info("media layout: %s", layout.describe())
+    return layout

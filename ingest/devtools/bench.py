@@ -23,8 +23,8 @@ BATCH_SIZE = 64
 # Image prompts on 2 cores, three layouts, each measured in one run against one verl run (in this order by default):
 # ``one_pool``: decode and vision in the tokenizer actors (``decode_pool_max_size`` and ``vision_pool_max_size`` 0),
 # two of them, one per core, each taking whole units through every stage; ``decode_in_tokenizer``: one tokenizer actor
-# that decodes, one vision actor; ``decode_pool``: the default three pools, one actor each (the default 1..2 per pool
-# would start up to six processes on the 2 cores).
+# that decodes, one vision actor; ``decode_pool``: three pools (the layout of clusters above 4 CPUs), one actor each
+# (its 1..2 per pool would start up to six processes on the 2 cores).
 MM_LAYOUTS = {
     "one_pool": {
         "tokenizer_pool_min_size": 2,

@@ -1,0 +1,61 @@
+"""Which actors run the media stages, chosen from the cluster when the config leaves the pool sizes unset.
+
+The one-pool layout runs decode and vision in the tokenizer actors; the separate layout gives each stage a pool of
+its own. On a small CPU-only cluster every extra actor process costs a start-up and one more object-store copy of
+the pixels, and the one pool is faster; with more cores, or GPU vision actors, stages scale apart
+(docs/benchmarks.md has the measurements behind the threshold). Sizes set in the config always win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ingest.config import DataConfig
+
+# a CPU-only cluster with at most this many CPUs gets the one-pool layout
+ONE_POOL_MAX_CPUS = 4
+SEPARATE_POOL_SIZE = 2  # each pool's max size in the separate layout (the sizes before the layout was chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The media pools' sizes a run uses and why (printed in the run's log and summary)."""
+
+    name: str  # "one-pool", "separate" or "config" (sizes set by the user)
+    reason: str
+    decode_pool_max_size: int
+    vision_pool_max_size: int
+
+    def apply(self, cfg: DataConfig) -> DataConfig:
+        """``cfg`` with this layout's pool sizes."""
+        return dataclasses.replace(
+            cfg, decode_pool_max_size=self.decode_pool_max_size, vision_pool_max_size=self.vision_pool_max_size
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+def choose_layout(cfg: DataConfig, resources: Mapping[str, float]) -> Layout:
+    """The layout for ``cfg`` on a cluster with ``resources`` (``ray.cluster_resources()``)."""
+    decode, vision = cfg.decode_pool_max_size, cfg.vision_pool_max_size
+    if decode is not None or vision is not None:
+        decode = SEPARATE_POOL_SIZE if decode is None else decode
+        vision = SEPARATE_POOL_SIZE if vision is None else vision
+        return Layout("config", "pool sizes set in the config", decode, vision)
+    if cfg.vision_num_gpus:
+        reason = f"GPU vision actors (vision_num_gpus {cfg.vision_num_gpus:g}) need a pool of their own"
+        return Layout("separate", reason, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
+    cpus = resources.get("CPU", 0.0)
+    if cpus <= ONE_POOL_MAX_CPUS:
+        reason = f"{cpus:g} CPUs <= {ONE_POOL_MAX_CPUS}: decode and vision in the tokenizer actors"
+        return Layout("one-pool", reason, 0, 0)
+    reason = f"{cpus:g} CPUs > {ONE_POOL_MAX_CPUS}: decode and vision pools of their own"
+    return Layout("separate", reason, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
+
+
+def pool_max_size(cfg: DataConfig, pool: str) -> int:
+    """A pool's max size: the config's, or the separate layout's where no layout was applied (SFT's pools)."""
+    size = getattr(cfg, f"{pool}_pool_max_size")
+    return SEPARATE_POOL_SIZE if size is None else size

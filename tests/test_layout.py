@@ -1,0 +1,134 @@
+"""The media pools' layout chosen from the cluster when the config leaves the pool sizes unset: one pool on small
+CPU-only clusters, separate pools on larger ones or with GPU vision actors, the user's sizes always; the choice and
+its reason in the run's log and summary. Checked on real local clusters of different sizes (``ray start``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ingest import build_dataset
+from ingest.config import DataConfig
+from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout
+from tests.support.cluster import ROOT, cluster_env, free_port, start_head, stop_cluster
+
+# joins the cluster at RAY_ADDRESS; per config: the pipeline's operators and the run's summary
+RUN_CONFIGS = """
+import json, sys
+import ray
+from ingest import build_dataset
+from ingest.run import run_pipeline
+
+args = json.loads(sys.argv[1])
+ray.init(include_dashboard=False)
+out = []
+for config in args["configs"]:
+    ds = build_dataset(args["files"], args["model"], config, processor=args["model"])
+    operators = [op.name.removeprefix("MapBatches(")[:-1] for op in ds._logical_plan.dag.post_order_iter()][1:]
+    summary = run_pipeline(args["files"], args["model"], config, processor=args["model"], batch_size=16)
+    out.append({"operators": operators, "layout": summary.layout, "accounted": summary.accounted,
+                "rows_out": summary.rows_out})
+print(json.dumps(out))
+"""
+
+THREE_POOLS = ["TokenizeActor", "DecodeActor", "VisionActor"]
+
+
+def test_choice_by_cluster_shape():
+    unset = DataConfig()
+    for cpus in (1, 2, ONE_POOL_MAX_CPUS):
+        layout = choose_layout(unset, {"CPU": cpus})
+        assert (layout.name, layout.decode_pool_max_size, layout.vision_pool_max_size) == ("one-pool", 0, 0)
+        assert f"{cpus} CPUs" in layout.reason
+    layout = choose_layout(unset, {"CPU": ONE_POOL_MAX_CPUS + 1, "GPU": 1})
+    assert (layout.name, layout.decode_pool_max_size, layout.vision_pool_max_size) == ("separate", 2, 2)
+    gpu = choose_layout(DataConfig(vision_num_gpus=0.5), {"CPU": 2, "GPU": 1})  # GPU actors cannot join a CPU pool
+    assert gpu.name == "separate" and "vision_num_gpus" in gpu.reason
+    # a CPU-only run on a cluster that has GPUs is laid out by its CPUs
+    assert choose_layout(unset, {"CPU": 2, "GPU": 8}).name == "one-pool"
+
+
+def test_sizes_in_the_config_win():
+    both = choose_layout(DataConfig(decode_pool_max_size=3, vision_pool_max_size=0), {"CPU": 64})
+    assert (both.name, both.decode_pool_max_size, both.vision_pool_max_size) == ("config", 3, 0)
+    one = choose_layout(DataConfig(decode_pool_max_size=0), {"CPU": 2})  # the other keeps the separate size
+    assert (one.decode_pool_max_size, one.vision_pool_max_size) == (0, SEPARATE_POOL_SIZE)
+    assert one.apply(DataConfig(decode_pool_max_size=0)).vision_pool_max_size == SEPARATE_POOL_SIZE
+
+
+def test_the_session_cluster_gets_one_pool(ray_session, geo3k_files, model_dir):
+    """The test session's cluster (4 logical CPUs): decode and vision run in the tokenizer actors."""
+    ds = build_dataset(geo3k_files, model_dir, {"shuffle": False}, processor=model_dir)
+    operators = [op.name.removeprefix("MapBatches(")[:-1] for op in ds._logical_plan.dag.post_order_iter()][1:]
+    assert operators == ["TokenizeActor"]
+
+
+def _on_cluster(port: int, env: dict, files: list[str], model: str, configs: list[dict]) -> list[dict]:
+    args = json.dumps({"files": files, "model": model, "configs": configs})
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_CONFIGS, args],
+        env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(geo3k_files, model_dir, tmp_path):
+    port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")
+    start_head(port, env, "--num-cpus=2")
+    try:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({"data": {"shuffle": False}}))
+        summary_path = tmp_path / "summary.json"
+        cli = subprocess.run(
+            [sys.executable, "-m", "ingest", "run", str(config), "--files", *geo3k_files, "--tokenizer", model_dir,
+             "--processor", model_dir, "--summary-json", str(summary_path)],
+            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        logged = [line for line in cli.stderr.splitlines() if "media layout:" in line]
+        assert len(logged) == 1 and "one-pool (2 CPUs <= 4" in logged[0], cli.stderr[-3000:]
+        assert "media layout       one-pool" in cli.stdout
+        summary = json.loads(summary_path.read_text())
+        assert summary["layout"].startswith("one-pool (2 CPUs") and summary["accounted"]
+        explicit = _on_cluster(
+            port, env, geo3k_files, model_dir, [{"decode_pool_max_size": 1, "vision_pool_max_size": 1}]
+        )
+        assert explicit[0]["operators"] == THREE_POOLS
+        assert explicit[0]["layout"] == "config (pool sizes set in the config)"
+        assert explicit[0]["rows_out"] == summary["rows_out"] and explicit[0]["accounted"]
+    finally:
+        stop_cluster(port)
+
+
+def test_larger_cluster_and_gpu_vision_get_separate_pools(geo3k_files, model_dir):
+    port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")
+    start_head(port, env, "--num-cpus=8", "--num-gpus=1")  # logical: layout and scheduling only, kernels on the CPU
+    try:
+        gpu = {"vision_num_gpus": 0.5, "vision_device": "cpu", "vision_batch_size": 8}
+        default, on_gpu = _on_cluster(port, env, geo3k_files, model_dir, [{}, gpu])
+    finally:
+        stop_cluster(port)
+    assert default["operators"] == THREE_POOLS and default["layout"].startswith("separate (8 CPUs > 4")
+    assert on_gpu["operators"] == THREE_POOLS and "vision_num_gpus 0.5" in on_gpu["layout"]
+    assert default["rows_out"] == on_gpu["rows_out"] > 0 and default["accounted"] and on_gpu["accounted"]
+
+
+@pytest.mark.parametrize("row_format", ["verl-0.9"])
+def test_verl09_rows_one_pool_has_no_vision_stage(ray_session, geo3k_files, model_dir, row_format):
+    """verl 0.9 rows have no vision stage; on the session's cluster their decode runs in the tokenizer actors."""
+    ds = build_dataset(geo3k_files, model_dir, {"row_format": row_format}, processor=model_dir)
+    operators = [op.name.removeprefix("MapBatches(")[:-1] for op in ds._logical_plan.dag.post_order_iter()][1:]
+    assert operators == ["TokenizeActor"]
