@@ -32,6 +32,7 @@ class BatchCounts:
     filtered_overlong: int = 0
     quarantined: int = 0
     prompt_tokens: int = 0  # tokens of the kept prompts (expanded), before truncation
+    dropped_no_target: int = 0  # SFT samples whose window holds no trained token (no_target="drop")
 
     def add(self, other: BatchCounts) -> None:
         for key, value in vars(other).items():

@@ -18,6 +18,7 @@ METRIC_NAMES = {
     "filtered_overlong": "ingest_rows_filtered_overlong",
     "quarantined": "ingest_rows_quarantined",
     "prompt_tokens": "ingest_prompt_tokens",
+    "dropped_no_target": "ingest_rows_dropped_no_target",
 }
 
 
@@ -77,6 +78,7 @@ class RunSummary:
     filtered_overlong: int = 0
     quarantined: int = 0
     prompt_tokens: int = 0
+    dropped_no_target: int = 0  # SFT: samples with no trained token in their window (a reason of its own)
     files: int = 0
     seconds: float = 0.0
     time_to_first_batch_s: float | None = None
@@ -88,7 +90,7 @@ class RunSummary:
 
     @property
     def accounted(self) -> bool:
-        return self.rows_in == self.rows_out + self.filtered_overlong + self.quarantined
+        return self.rows_in == self.rows_out + self.filtered_overlong + self.quarantined + self.dropped_no_target
 
     def finish(self, started: float) -> RunSummary:
         self.seconds = time.perf_counter() - started
@@ -108,6 +110,7 @@ class RunSummary:
             f"rows out           {self.rows_out:>12,}",
             f"filtered overlong  {self.filtered_overlong:>12,}",
             f"quarantined        {self.quarantined:>12,}",
+            *([f"dropped: no target {self.dropped_no_target:>12,}"] if self.dropped_no_target else []),
             f"accounted          {'yes' if self.accounted else 'NO: rows in != out + filtered + quarantined'}",
             f"time               {self.seconds:>12.2f} s",
             f"rows/s             {self.rows_per_s:>12,.0f}",

@@ -5,9 +5,11 @@ Ray (the session fixture), small data."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import random
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -20,16 +22,18 @@ from ingest.blocks import tensor_from_record
 from ingest.errors import find_ingest_error
 from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft import (
+    PrimeRLCollate,
     SFTCollate,
     build_sft_dataset,
     build_training_sample,
     create_renderer,
     shift_and_truncate,
 )
-from ingest.stats import RunLedger
+from ingest.stats import RunLedger, RunSummary
 from tests.support.conversations import (
     IM_END,
     IMAGE_PAD,
+    TOOLS,
     encoded_image,
     expected_chatml_mask,
     hf_chat_ids,
@@ -147,10 +151,6 @@ def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, te
             {"role": "assistant", "content": source["completion"]},
         ]
         _assert_row_equals(row, _direct(text_renderer, messages))
-    with pytest.raises(SourceError, match="no 'messages' column and no 'prompt' \\+ 'completion'"):
-        build_sft_dataset(_write(tmp_path / "other.parquet", [{"text": "x"}]), model_dir, BASE)
-    with pytest.raises(SourceError, match="completion"):
-        build_sft_dataset(_write(tmp_path / "half.parquet", [{"prompt": "x"}]), model_dir, BASE)
     with pytest.raises(ValueError, match="vision_pool_max_size"):  # build_dataset's fused layout only
         build_sft_dataset(files[0], model_dir, {**BASE, "vision_pool_max_size": 0})
 
@@ -428,8 +428,9 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
         (first.offset + 1, first.offset, 0),  # inside the first run
         (second.offset + second.length, second.offset + second.length, 2),  # right after the second run
     ]
-    for limit, cut, kept in cases:
-        row = _rows(build_sft_dataset(path, model_dir, {**BASE, "sft_max_length": limit}, processor=model_dir))[0]
+    for limit, cut, kept in cases:  # every cut is in the user turn: no trained target, kept to look at the runs
+        config = {**BASE, "sft_max_length": limit}
+        row = _rows(build_sft_dataset(path, model_dir, config, processor=model_dir, no_target="keep"))[0]
         seq = shift_and_truncate(full, limit)
         _assert_row_equals(row, seq)
         assert len(row["input_ids"]) == cut
@@ -480,3 +481,380 @@ def test_cuda_vision_pool_matches_the_cpu_pool(ray_session, model_dir, tmp_path)
                 )
             else:
                 assert got[key] == value, key
+
+
+# --- renderers' and prime-rl's call shapes -----------------------------------------------------------------------
+
+
+def _byt5_chatml():
+    """A slow (Python) tokenizer with a ChatML template and no directory behind it (``name_or_path`` is empty)."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer(extra_ids=0, additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    return tokenizer
+
+
+def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
+    ray_session, model_dir, text_files, text_conversations, tmp_path, monkeypatch
+):
+    """renderers' call: ``build_sft_dataset(files, tokenizer_object)``. An object is never pickled to the actors: a
+    tokenizer unchanged since it was loaded from a directory goes as that directory; anything else (a changed
+    template, a slow tokenizer made in memory, a processor) is saved once and its files reach the actors, also on a
+    node without the driver's directory."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from ingest.datasets.sft import model_for_actors
+
+    config = {**BASE, "read_rows_per_task": 40}
+    by_path = _rows(build_sft_dataset(text_files, model_dir, config))
+    fast = AutoTokenizer.from_pretrained(model_dir)
+    assert fast.is_fast and model_for_actors(fast) == model_dir  # unchanged: its directory, nothing saved
+    assert _rows(build_sft_dataset(text_files, fast, config)) == by_path
+
+    # a changed template is the object's, not the directory's: saved, and the actors render with it
+    changed = AutoTokenizer.from_pretrained(model_dir)
+    changed.chat_template = changed.chat_template.replace("You are a helpful assistant.", "Answer tersely.")
+    saved = model_for_actors(changed)
+    assert not isinstance(saved, str) and saved.path != model_dir
+    got = _rows(build_sft_dataset(text_files, changed, config))
+    renderer = create_renderer(changed)
+    assert got != by_path
+    for row, messages in zip(got, text_conversations, strict=True):
+        _assert_row_equals(row, _direct(renderer, messages))
+        assert row["input_ids"] + row["target_ids"][-1:] == hf_chat_ids(changed, messages)
+
+    # a slow tokenizer: saved once (the same SavedModel for a second dataset), rows as the direct calls
+    slow = _byt5_chatml()
+    assert not slow.is_fast
+    chats = [
+        [{"role": "user", "content": f"Grüße {i}?"}, {"role": "assistant", "content": f"Hallo, Wörld {i}."}]
+        for i in range(6)
+    ]
+    path = _write(tmp_path / "byt5.parquet", [{"messages": m} for m in chats])
+    saved = model_for_actors(slow)
+    assert model_for_actors(slow) is saved
+    slow_renderer = create_renderer(slow)
+    got = _rows(build_sft_dataset(path, slow, BASE))
+    for row, messages in zip(got, chats, strict=True):
+        _assert_row_equals(row, _direct(slow_renderer, messages))
+        assert row["input_ids"] + row["target_ids"][-1:] == hf_chat_ids(slow, messages)
+    # an actor on a node without the driver's directory writes the files from the object store
+    shutil.rmtree(saved.path)
+    assert _rows(build_sft_dataset(path, slow, BASE)) == got
+
+    # a processor object, as the tokenizer (its tokenizer, template and media) or as the processor
+    rows, _ = _mm_rows(4, 6)
+    mm_file = _write(tmp_path / "mm.parquet", rows)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    mm_by_path = _rows(build_sft_dataset(mm_file, model_dir, BASE, processor=model_dir))
+    assert any(r["pixel_values"] is not None for r in mm_by_path)
+    assert _rows(build_sft_dataset(mm_file, processor, BASE)) == mm_by_path
+    assert _rows(build_sft_dataset(mm_file, fast, BASE, processor=processor)) == mm_by_path
+
+    # an object that can be neither named nor saved: one clear error on the driver
+    stuck = AutoTokenizer.from_pretrained(model_dir)
+    stuck.chat_template += " "  # no longer its directory's tokenizer
+
+    def refuse(*args, **kwargs):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(stuck, "save_pretrained", refuse)
+    with pytest.raises(ValueError, match="cannot hand the tokenizer object .* read-only file system.* directory"):
+        build_sft_dataset(text_files, stuck, config)
+    with pytest.raises(TypeError, match="tokenizer must be a path, a hub name or a transformers tokenizer"):
+        build_sft_dataset(text_files, object(), config)
+
+
+def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, model_dir, tmp_path, text_renderer):
+    """A sample whose window (``sft_max_length``) holds no trained token is dropped by default (prime-rl's rule:
+    its loss would divide by zero) and counted as ``dropped_no_target``, so rows in = out + filtered + quarantined +
+    dropped; ``no_target="keep"`` emits it with an all-false loss mask."""
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "Yes."}]
+    conversations = [short, long_prompt, [{"role": "user", "content": "no answer"}], short, long_prompt]
+    path = _write(tmp_path / "targets.parquet", [{"messages": json.dumps(m)} for m in conversations])
+    config = {**BASE, "sft_max_length": 64}
+    assert not any(_direct(text_renderer, long_prompt, 64).loss_mask)
+    assert any(_direct(text_renderer, short, 64).loss_mask)
+
+    ledger = RunLedger.remote()
+    rows = _rows(build_sft_dataset(path, model_dir, config, ledger=ledger))
+    assert len(rows) == 2
+    for row in rows:
+        _assert_row_equals(row, _direct(text_renderer, short, 64))
+    counts = ray_session.get(ledger.get.remote())
+    assert counts["dropped_no_target"] == 2 and counts["quarantined"] == 1 and counts["filtered_overlong"] == 0
+    assert counts["rows_in"] == 5 == counts["rows_out"] + counts["quarantined"] + counts["dropped_no_target"]
+    summary = RunSummary(**counts)  # the run summary counts them as a reason of their own
+    assert summary.accounted and not dataclasses.replace(summary, dropped_no_target=0).accounted
+    assert "dropped: no target            2" in summary.format()
+
+    ledger = RunLedger.remote()
+    kept = _rows(build_sft_dataset(path, model_dir, config, ledger=ledger, no_target="keep"))
+    assert len(kept) == 4
+    for row, messages in zip(kept, [short, long_prompt, short, long_prompt], strict=True):
+        _assert_row_equals(row, _direct(text_renderer, messages, 64))
+    assert not any(kept[1]["loss_mask"]) and len(kept[1]["input_ids"]) == 64
+    counts = ray_session.get(ledger.get.remote())
+    assert (counts["rows_out"], counts["dropped_no_target"], counts["quarantined"]) == (4, 0, 1)
+    with pytest.raises(ValueError, match="no_target must be one of drop, keep"):
+        build_sft_dataset(path, model_dir, config, no_target="skip")
+
+
+def _tool_chat(arguments) -> list[dict]:
+    """An OpenAI-shaped agent chat: a tool-call turn with null content, a tool answer, a named user."""
+    call = {"type": "function", "id": "c1", "function": {"name": "get_weather", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "21", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "21 °C."},
+    ]
+
+
+def test_struct_column_nulls_go_and_tool_call_argument_nulls_stay(ray_session, model_dir, tmp_path):
+    """A Parquet struct column gives every message every key, so keys a message lacks read back as null and go;
+    a null inside tool-call arguments is data (``{"reasoning_effort": null}``) and stays, whether the arguments are
+    a JSON string (OpenAI's shape) or a map. Token ids equal ``apply_chat_template`` on the source messages."""
+    from transformers import AutoTokenizer
+
+    from tests.test_sft import QWEN3_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = QWEN3_TEMPLATE  # renders tool calls and their arguments
+    named = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    as_string = [_tool_chat('{"city": "Paris", "reasoning_effort": null}'), named]
+    as_map = [_tool_chat({"city": "Paris", "reasoning_effort": None}), _tool_chat({"city": "東京", "days": "2"})]
+    string_file = _write(tmp_path / "string.parquet", [{"messages": m, "tools": TOOLS} for m in as_string])
+    call = pa.struct([("name", pa.string()), ("arguments", pa.map_(pa.string(), pa.string()))])
+    message = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("tool_call_id", pa.string()),
+            ("tool_calls", pa.list_(pa.struct([("type", pa.string()), ("id", pa.string()), ("function", call)]))),
+        ]
+    )
+    map_rows = [{"messages": m} for m in as_map]
+    map_file = _write(tmp_path / "map.parquet", map_rows, pa.schema([("messages", pa.list_(message))]))
+    assert pq.read_table(string_file).column("messages")[1].as_py()[1]["tool_calls"] is None  # the filled nulls
+
+    for path, sources, tools in ((string_file, as_string, TOOLS), (map_file, as_map, None)):
+        rows = _rows(build_sft_dataset(path, tokenizer, BASE))
+        assert len(rows) == len(sources)
+        for row, messages in zip(rows, sources, strict=True):
+            ids = hf_chat_ids(tokenizer, messages, tools)
+            assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
+            assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
+        assert '"reasoning_effort": null' in tokenizer.decode(rows[0]["input_ids"])
+
+
+def test_files_without_conversation_columns_name_the_columns_found_and_expected(ray_session, model_dir, tmp_path):
+    other = _write(tmp_path / "other.parquet", [{"text": "x", "label": 1}])
+    with pytest.raises(SourceError) as info:
+        build_sft_dataset(other, model_dir, BASE)
+    message = str(info.value)
+    assert info.value.file == other and info.value.column == "messages"
+    assert "found 'text', 'label'" in message
+    assert "expected a 'messages' column" in message and "'prompt' + 'completion' columns" in message
+    half = _write(tmp_path / "half.parquet", [{"prompt": "x"}])
+    with pytest.raises(SourceError, match="found 'prompt'; expected a 'messages' column"):
+        build_sft_dataset(half, model_dir, {**BASE, "sft_completion_key": "answer"})
+    renamed = _write(tmp_path / "renamed.parquet", [{"chat": "[]"}])
+    with pytest.raises(SourceError, match="found 'chat'; expected a 'conversation' column"):
+        build_sft_dataset(renamed, model_dir, {**BASE, "sft_messages_key": "conversation"})
+    messages = _write(tmp_path / "messages.parquet", [{"messages": "[]"}])
+    split = _write(tmp_path / "split.parquet", [{"prompt": "x", "completion": "y"}])
+    with pytest.raises(SourceError, match="mix the two conversation layouts"):
+        build_sft_dataset([messages, split], model_dir, BASE)
+
+
+def _prime_rl_sample(sample, seq_len: int) -> dict | None:
+    """prime-rl's ``SFTDataset`` item of a rendered sample: causal shift; a multimodal sample longer than
+    ``seq_len`` cut at the last cut outside a placeholder run, items past the cut dropped (and the sample dropped if
+    no stop token is left in its targets); no trained target in ``[:seq_len]``: dropped; text samples stay whole."""
+    ids, mask, types = list(sample.token_ids), list(sample.loss_mask), sample.mm_token_type_ids
+    inputs, targets, mask = ids[:-1], ids[1:], mask[1:]
+    types = None if types is None else list(types)[:-1]
+    data = sample.multi_modal_data
+    if data is not None and len(inputs) > seq_len:
+        cut = seq_len
+        for modality in data.values():
+            for r in modality.placeholders:
+                if r.offset < cut < r.offset + r.length:
+                    cut = r.offset
+        inputs, targets, mask = inputs[:cut], targets[:cut], mask[:cut]
+        types = None if types is None else types[:cut]
+        data = {
+            name: [item for item, r in zip(m.items, m.placeholders, strict=True) if r.offset + r.length <= cut]
+            for name, m in data.items()
+        }
+        if IM_END not in targets:
+            return None
+    else:
+        data = None if data is None else {name: m.items for name, m in data.items()}
+    if not any(mask[:seq_len]):
+        return None
+    mm_kwargs = {}
+    for items in (data or {}).values():
+        for item in items:
+            for key, value in item.items():
+                if isinstance(value, np.ndarray):
+                    value = torch.as_tensor(value)
+                    mm_kwargs[key] = torch.cat([mm_kwargs[key], value]) if key in mm_kwargs else value
+    return {
+        "input_ids": inputs,
+        "target_ids": targets,
+        "loss_mask": mask,
+        "position_ids": list(range(len(inputs))),
+        "seq_lens": [len(inputs)],
+        "mm_kwargs": mm_kwargs or None,
+        "mm_token_type_ids": types,
+    }
+
+
+def _prime_rl_packs(samples: list[dict], seq_len: int) -> list[dict]:
+    """prime-rl's ``CatDataset`` + ``cat_collate``: samples appended in order until the next would overflow
+    ``seq_len`` (a pack that reaches it closes); a pack is cut to ``seq_len`` and right-padded with input 0,
+    target 0, loss False and positions ``range(pad)``, the padding added to the last ``seq_lens`` entry;
+    ``mm_kwargs`` concatenated; ``mm_token_type_ids`` only once a member has media (zeros for the others)."""
+    packs, current = [], None
+
+    def close(pack):
+        out = {k: pack[k][:seq_len] for k in ("input_ids", "position_ids", "loss_mask", "target_ids")}
+        seq_lens, remaining = [], len(out["input_ids"])
+        for n in pack["seq_lens"]:
+            if remaining <= 0:
+                break
+            seq_lens.append(min(n, remaining))
+            remaining -= min(n, remaining)
+        pad = seq_len - len(out["input_ids"])
+        out["input_ids"] += [0] * pad
+        out["position_ids"] += list(range(pad))
+        out["loss_mask"] += [False] * pad
+        out["target_ids"] += [0] * pad
+        if pad:
+            seq_lens[-1] += pad
+        types = pack["mm_token_type_ids"]
+        packs.append(
+            {
+                "input_ids": torch.tensor(out["input_ids"], dtype=torch.long).unsqueeze(0),
+                "position_ids": torch.tensor(out["position_ids"], dtype=torch.long).unsqueeze(0),
+                "loss_mask": torch.tensor(out["loss_mask"], dtype=torch.bool).unsqueeze(0),
+                "target_ids": torch.tensor(out["target_ids"], dtype=torch.long).unsqueeze(0),
+                "seq_lens": torch.tensor(seq_lens, dtype=torch.long),
+                "mm_kwargs": pack["mm_kwargs"],
+                "mm_token_type_ids": None
+                if types is None
+                else torch.tensor(types[:seq_len] + [0] * pad, dtype=torch.long).unsqueeze(0),
+            }
+        )
+
+    def empty():
+        return {"input_ids": [], "position_ids": [], "loss_mask": [], "target_ids": [], "seq_lens": [],
+                "mm_kwargs": None, "mm_token_type_ids": None}  # fmt: skip
+
+    current, used = empty(), 0
+    for sample in samples:
+        n = len(sample["input_ids"])
+        if used > 0 and used + n > seq_len:
+            close(current)
+            current, used = empty(), 0
+        before = len(current["input_ids"])
+        for key in ("input_ids", "position_ids", "loss_mask", "target_ids"):
+            current[key] += sample[key]
+        current["seq_lens"].append(n)
+        if sample["mm_kwargs"] is None:
+            if current["mm_token_type_ids"] is not None:
+                current["mm_token_type_ids"] += [0] * n
+        else:
+            if current["mm_kwargs"] is None:
+                current["mm_kwargs"] = dict(sample["mm_kwargs"])
+            else:
+                for key, value in sample["mm_kwargs"].items():
+                    current["mm_kwargs"][key] = torch.cat([current["mm_kwargs"][key], value])
+            if current["mm_token_type_ids"] is None and sample["mm_token_type_ids"] is not None:
+                current["mm_token_type_ids"] = [0] * before
+            if current["mm_token_type_ids"] is not None:
+                current["mm_token_type_ids"] += sample["mm_token_type_ids"] or [0] * n
+        used += n
+        if used >= seq_len:
+            close(current)
+            current, used = empty(), 0
+    if used:
+        close(current)
+    return packs
+
+
+def test_prime_rl_collate_gives_prime_rl_packed_micro_batches(ray_session, model_dir, tmp_path, vl_renderer):
+    """``PrimeRLCollate`` over rows packed with ``sft_pack_token_budget`` = prime-rl's ``seq_len`` equals the same
+    conversations through prime-rl's rule (its ``SFTDataset`` samples, ``CatDataset`` packs, ``cat_collate``):
+    inputs, targets, loss mask, per-sample positions, ``seq_lens`` with the padding on the last sample, pixel values
+    and grids concatenated, ``mm_token_type_ids`` shifted in lockstep and only in packs with media."""
+    rng = random.Random(12)
+    big = encoded_image(random.Random(5), "png")
+
+    def part(text):  # every content a part list: one Parquet struct column for all rows
+        return [{"type": "text", "text": text}]
+
+    def image_chat(data, text):
+        return [
+            {"role": "user", "content": [{"type": "image", "image": data}, *part(text)]},
+            {"role": "assistant", "content": part(f"It shows {text.lower()}")},
+        ]
+
+    def text_chat(n_words):
+        return [{"role": "user", "content": part("Say it.")}, {"role": "assistant", "content": part("ok " * n_words)}]
+
+    # an image in the second user turn: cut inside its run, the sample keeps its first answer and loses the image
+    late_image = text_chat(3) + image_chat(big, "A shape?")
+    run = build_training_sample(vl_renderer, late_image).multi_modal_data["image"].placeholders[0]
+    seq_len = run.offset + run.length // 2
+    small = [encoded_image(rng, kind) for kind in ("tiny", "wide", "tall", "tiny")]
+    conversations = [
+        late_image,  # alone in its pack (the next one does not fit): no media left, so no mm_token_type_ids
+        text_chat(seq_len),  # longer than seq_len: a pack of its own, cut to seq_len
+        image_chat(small[0], "Dots?"),
+        text_chat(5),
+        image_chat(small[1], "Lines?"),
+        text_chat(9),
+        image_chat(small[2], "Bars?"),
+        image_chat(small[3], "Rings?"),
+        text_chat(4),
+    ]
+    samples = [build_training_sample(vl_renderer, m, ensure_final_stop=True) for m in conversations]
+    assert len(samples[1].token_ids) - 1 > seq_len
+    assert all(len(s.token_ids) - 1 < seq_len // 2 for s in samples[2:])
+    expected = _prime_rl_packs([_prime_rl_sample(s, seq_len) for s in samples], seq_len)
+    assert expected[0]["mm_kwargs"] is None and expected[0]["mm_token_type_ids"] is None
+    assert expected[1]["seq_lens"].tolist() == [seq_len]
+    assert any(p["mm_kwargs"] is not None and len(p["seq_lens"]) > 2 for p in expected)
+
+    path = _write(tmp_path / "prime.parquet", [{"messages": m} for m in conversations])
+    config = {**BASE, "sft_pack_token_budget": seq_len, "tokenizer_batch_size": 64, "read_rows_per_task": 64}
+    ds = build_sft_dataset(path, model_dir, config, processor=model_dir)
+    got = list(ds.iter_torch_batches(batch_size=1, collate_fn=PrimeRLCollate(seq_len)))
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected, strict=True):
+        assert batch.keys() == want.keys()
+        for key in ("input_ids", "position_ids", "loss_mask", "target_ids", "seq_lens", "mm_token_type_ids"):
+            if want[key] is None:
+                assert batch[key] is None, key
+            else:
+                assert batch[key].dtype == want[key].dtype and torch.equal(batch[key], want[key]), key
+        if want["mm_kwargs"] is None:
+            assert batch["mm_kwargs"] is None
+            continue
+        assert batch["mm_kwargs"].keys() == want["mm_kwargs"].keys() == {"pixel_values", "image_grid_thw"}
+        assert torch.equal(batch["mm_kwargs"]["image_grid_thw"], want["mm_kwargs"]["image_grid_thw"])
+        torch.testing.assert_close(batch["mm_kwargs"]["pixel_values"], want["mm_kwargs"]["pixel_values"],
+                                   atol=1e-6, rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match="batch_size=1"):
+        next(iter(ds.iter_torch_batches(batch_size=2, collate_fn=PrimeRLCollate(seq_len))))

@@ -123,9 +123,9 @@ def build_sft_dataset(
     directory the actors load (``actors.sft.SavedModel``). ``role_to_mask`` / ``content_sft_roles``: as
     ``build_training_sample`` (``role_to_mask`` picklable; required for non-ChatML templates). ``no_target``:
     ``drop`` (default, prime-rl's rule) or ``keep`` samples whose window holds no trained target; dropped ones are
-    counted as ``filtered_overlong``. ``ledger``: a ``RunLedger`` that receives per-batch counts (rows in = samples
-    out + filtered + quarantined). Bad conversations are quarantined (``on_bad_row: quarantine``) or raise
-    ``BadRowError``.
+    counted as ``dropped_no_target``. ``ledger``: a ``RunLedger`` that receives per-batch counts (rows in = samples
+    out + filtered + quarantined + dropped_no_target). Bad conversations are quarantined (``on_bad_row:
+    quarantine``) or raise ``BadRowError``.
     """
     cfg = DataConfig.from_any(config)
     check_sft_config(cfg)
@@ -232,16 +232,22 @@ def _fingerprint(model: Any) -> tuple:
 
 
 def _same_tokenizer(model: Any, directory: str) -> bool:
-    """Whether ``directory`` loads the tokenizer ``model`` is: chat template, special tokens, vocabulary size and the
-    ids of a probe holding every added token."""
+    """Whether ``directory`` loads the tokenizer ``model`` is, as far as a render can tell: chat template, the eos
+    token (the fallback's stop token) and the special tokens the template names, vocabulary size and the ids of a
+    probe holding every added token.
+
+    Other special tokens are not compared: transformers fills in class defaults the directory does not hold (a
+    loaded Qwen2 tokenizer has ``unk_token`` ``<|endoftext|>``, its directory none), and a template that does not
+    name them renders the same without them."""
     try:
         loaded = ChatTokenizer(directory)
     except Exception:
         return False
     ours = HFChatTokenizer(model)
-    if ours.chat_template != loaded.chat_template:
+    template = ours.chat_template
+    if not isinstance(template, str) or template != loaded.chat_template:
         return False
-    keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+    keys = {k for k in (*ours.special_tokens_map, *loaded.special_tokens_map) if k == "eos_token" or k in template}
     if any(ours.special_tokens_map.get(k) != loaded.special_tokens_map.get(k) for k in keys):
         return False
     backend = getattr(loaded, "_backend", None)
@@ -381,14 +387,15 @@ class PrimeRLCollate(ArrowBatchCollateFn):
             "mm_kwargs": None,
             "mm_token_type_ids": None,
         }
-        if "mm_token_type_ids" in batch.column_names and batch.column("mm_token_type_ids")[0].is_valid:
-            out["mm_token_type_ids"] = row(_flat(batch.column("mm_token_type_ids"))[0], 0, np.int64)
         media = {}
         for key in MEDIA_TENSOR_COLUMNS:
             if key in batch.column_names and (record := batch.column(key)[0].as_py()) is not None:
                 media[key] = torch.from_numpy(tensor_from_record(record))
         if media:
             out["mm_kwargs"] = media
+            # prime-rl's packs carry mm_token_type_ids only once a member has media: a row whose images were all
+            # cut off by the sequence limit has all-zero types here, and None there
+            out["mm_token_type_ids"] = row(_flat(batch.column("mm_token_type_ids"))[0], 0, np.int64)
         if self.device is not None:
             for key, value in out.items():
                 if isinstance(value, torch.Tensor):

@@ -132,7 +132,8 @@ class SFTRenderStage:
     (the processor path; the vision stage follows). ``role_to_mask`` / ``content_sft_roles``: as
     ``build_training_sample``. ``no_target``: ``drop`` (prime-rl's rule) or ``keep`` a sample whose window holds no
     trained target. Counts: ``rows_out`` = samples emitted (a packed row holds several), ``filtered_overlong`` =
-    samples cut to no inputs at all or dropped with no trained target, ``prompt_tokens`` = inputs emitted.
+    samples cut to no inputs at all, ``dropped_no_target`` = samples dropped with no trained target,
+    ``prompt_tokens`` = inputs emitted.
     """
 
     def __init__(
@@ -178,7 +179,13 @@ class SFTRenderStage:
             "images": cfg.image_key,
             "videos": cfg.video_key,
         }
-        return {k: table.column(name).to_pylist() if name in names else None for k, name in keys.items()}
+        # Map values (tool-call arguments stored as map<string, ...>) as dicts, which is what they held; Arrow's
+        # default, a list of (key, value) pairs, renders as a JSON list. A duplicated key keeps its last value, as
+        # json.loads does.
+        return {
+            k: table.column(name).to_pylist(maps_as_pydicts="lossy") if name in names else None
+            for k, name in keys.items()
+        }
 
     def _conversation(self, cols: dict, i: int) -> tuple[Any, str]:
         """(messages, the column they came from): ``messages`` when set, else prompt + completion."""
@@ -205,7 +212,7 @@ class SFTRenderStage:
         cols = self._columns(table)
         bad: dict[int, BadRowError] = {}
         sequences: list[TrainingSequence] = []
-        filtered = 0
+        filtered = no_target = 0
         for i in range(n):
             conversation_column = cfg.sft_messages_key if cols["messages"] is not None else cfg.prompt_key
             step = conversation_column  # the column being read when something fails
@@ -250,10 +257,13 @@ class SFTRenderStage:
                 bad[i] = self._error(table, i, str(exc), _blame(str(exc), conversation_column, cfg))
                 continue
             sequence = shift_and_truncate(sample, self.max_length)
-            # prime-rl drops a sample with no trained target in its window (its loss would divide by zero): counted
-            # with the samples cut to nothing, the ledger's count of samples the sequence limit filtered out
-            if not sequence.inputs or (self.no_target == "drop" and not any(sequence.loss_mask)):
+            if not sequence.inputs:
                 filtered += 1
+                continue
+            # prime-rl drops a sample with no trained target in its window (its loss would divide by zero); counted
+            # apart so that the summary says why the sample went
+            if self.no_target == "drop" and not any(sequence.loss_mask):
+                no_target += 1
                 continue
             sequences.append(sequence)
         if bad and cfg.on_bad_row == "raise":
@@ -264,6 +274,7 @@ class SFTRenderStage:
             filtered_overlong=filtered,
             quarantined=len(bad),
             prompt_tokens=sum(len(s.inputs) for s in sequences),
+            dropped_no_target=no_target,
         )
         quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
         budget = cfg.sft_pack_token_budget
