@@ -159,7 +159,8 @@ def _compare(
     layouts: dict[str, dict] | None = None,
     warm_workers: bool = False,
 ) -> dict:
-    """Ours, then verl 0.5.0, on the same files: rows/s of both, their ratio. ``layouts``: name -> our pool settings,
+    """Ours (warm, each layout), ours cold (``devtools/cold.py``), the bare ceiling (text), then verl 0.5.0, on the
+    same files: rows/s of each, the ratios to verl. ``layouts``: name -> our pool settings,
     each run in turn, in that order (``default`` and ``decode_pool``: ``ours`` / ``ratio_rows_per_s``; the others:
     ``ours_<name>`` / ``ratio_<name>``; ``order`` lists them). ``warm_workers``: one prestarted worker per actor of
     the layout waits for it (``_prestart_workers``)."""
@@ -174,6 +175,19 @@ def _compare(
             _prestart_workers(sum(pools.get(f"{pool}_pool_max_size", 1) for pool in ("tokenizer", "decode", "vision")))
         _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
         entry[ours_key] = run_ours(files, model, {**config, **pools}, processor=processor)
+    # cold: a new process and Ray session, the default pools, nothing warmed (the first run a user meets)
+    from ingest.devtools.cold import run_cold, steady_rows_per_s
+
+    _settle()
+    entry["ours_cold"] = run_cold(files, model, config, processor)
+    if processor is None:  # the bare ceiling on the same rows: render + batch encode on every core, no Ray
+        from ingest.devtools.scaling import _ceiling
+
+        _settle()
+        ceiling = entry["ceiling"] = _ceiling(files, model, os.cpu_count() or 1)
+        for key in ("ours", "ours_cold"):
+            share = steady_rows_per_s(entry[key]) / ceiling["rows_per_s"]
+            entry[f"steady_share_of_ceiling{key.removeprefix('ours')}"] = round(share, 3)
     if not skip_verl:
         _settle()
         cfg = {**config, "cache_dir": str(work / "verl-cache")}
@@ -183,6 +197,7 @@ def _compare(
             ours = entry[ours_key]
             assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {ours_key} {ours['rows']}"
             entry[ratio_key] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
+        entry["ratio_cold"] = round(entry["ours_cold"]["rows_per_s"] / verl["rows_per_s"], 2)
     return entry
 
 
