@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from ingest.blocks import (
     ROW_COLUMN,
     TOKEN_COLUMNS,
 )
-from ingest.errors import BadRowError
+from ingest.errors import BadRowError, IngestError
 
 
 @dataclass
@@ -70,12 +71,43 @@ def quarantine_record(error, row: dict | None) -> dict:
     return {"file": error.file, "row": error.row, "column": error.column, "reason": error.reason, "original": original}
 
 
+class LedgerLostError(IngestError):
+    """The run's ledger actor is gone (its node or process died): the counts it held are lost with it, so the run
+    stops here rather than report totals that miss rows."""
+
+
+# How long a ledger that does not answer may stay unreachable before the run gives up on it. Ray reports an actor on
+# a lost node as unavailable until the GCS declares it dead; the ledger is never restarted, so it ends dead.
+LEDGER_UNAVAILABLE_S = 30.0
+
+
 def report_counts(ledger, counts: BatchCounts, quarantine: list | None = None, key: tuple | None = None) -> None:
     # Synchronous (one small round trip per batch) so the totals are complete when the dataset is exhausted.
-    if ledger is not None:
-        import ray
+    if ledger is None:
+        return
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-        ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or [], key))
+    deadline = time.monotonic() + LEDGER_UNAVAILABLE_S
+    while True:
+        try:
+            ray.get(ledger.add.remote(dataclasses.asdict(counts), quarantine or [], key))
+            return
+        except ActorUnavailableError as exc:
+            # the call may or may not have landed; sending it again is safe for a keyed batch (the ledger counts a
+            # key once), and an unkeyed one counted twice fails the run's final rows-in/out check, never silently
+            if time.monotonic() > deadline:
+                raise _lost(exc) from None
+            time.sleep(1.0)
+        except ActorDiedError as exc:
+            raise _lost(exc) from None
+
+
+def _lost(exc: Exception) -> LedgerLostError:
+    return LedgerLostError(
+        "the run's ledger (the RunLedger actor that counts rows) is lost, and the counts it held with it; "
+        f"rerun (its node or process died: {str(exc).splitlines()[0][:300]})"
+    )
 
 
 def batch_key(table: pa.Table) -> tuple | None:

@@ -1,0 +1,254 @@
+"""Run the pipeline on a multi-node ``ray.cluster_utils.Cluster`` and remove worker nodes while it streams.
+
+Run as a script (``python -m tests.support.node_loss SPEC_JSON``): the test session already holds a local Ray, and a
+driver joins one cluster per process. It prints one ``RESULT {...}`` line: per-row digests of a reference pass on
+the whole cluster and of the pass that lost nodes, and what the loss hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+from tests.support.cluster import CURRENT_CLUSTER, free_port
+
+MB = 1024 * 1024
+STORE = 100 * MB  # small stores: blocks spill and move between nodes as they would on a loaded cluster
+
+
+def start_cluster(workers: int, head_cpus: int) -> Cluster:
+    previous = CURRENT_CLUSTER.read_text() if CURRENT_CLUSTER.exists() else None
+    head = {
+        "num_cpus": head_cpus,
+        "gcs_server_port": free_port(),
+        "include_dashboard": False,
+        # the agent's default port is held by the test session's own Ray
+        "dashboard_agent_listen_port": free_port(),
+        "object_store_memory": STORE,
+    }
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    # Cluster records its head as "the" local cluster, which a plain ray.init() elsewhere would then join: put back
+    # what was there
+    if previous is None:
+        CURRENT_CLUSTER.unlink(missing_ok=True)
+    else:
+        CURRENT_CLUSTER.write_text(previous)
+    for _ in range(workers):
+        cluster.add_node(num_cpus=1, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def busy_cpus(node_id: str) -> float:
+    """CPUs held on a node (by the pipeline's actors)."""
+    from ray._private.state import state
+
+    total = next(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id)
+    available = state.available_resources_per_node().get(node_id, {}).get("CPU", 0)
+    return total - available
+
+
+def digest(batch: dict, i: int) -> str:
+    """One row of a collated batch as a hash of its contents (equal rows, equal digests): tensors and arrays by dtype,
+    shape and bytes, images by mode, size and pixels, containers item by item."""
+    h = hashlib.sha1()
+    for key in sorted(batch):
+        h.update(key.encode())
+        _feed(h, batch[key][i])
+    return h.hexdigest()
+
+
+def _feed(h, value: Any) -> None:
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # a torch tensor
+        value = value.numpy()
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        h.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, np.ndarray):
+        for item in value.tolist() if value.ndim == 0 else list(value):
+            _feed(h, item)
+    elif isinstance(value, dict):
+        for key in sorted(value):
+            h.update(repr(key).encode())
+            _feed(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"[{len(value)}".encode())
+        for item in value:
+            _feed(h, item)
+    elif hasattr(value, "tobytes") and hasattr(value, "mode"):  # a PIL image
+        h.update(f"{value.mode}{value.size}".encode() + value.tobytes())
+    else:
+        h.update(repr(value).encode())
+
+
+def rows(ds, batch_size: int, on_batch=None) -> list[list]:
+    from ingest import VerlCollate
+
+    out: list[list] = []
+    for n, batch in enumerate(ds.iter_torch_batches(batch_size=batch_size, collate_fn=VerlCollate())):
+        out += [[int(batch["index"][i]), digest(batch, i)] for i in range(len(batch["index"]))]
+        if on_batch is not None:
+            on_batch(n + 1)
+    return out
+
+
+class NodeLoss:
+    """After ``after`` batches, remove ``remove`` worker nodes (the busiest first), then add ``add_back`` fresh ones."""
+
+    def __init__(self, cluster: Cluster, after: int, remove: int, add_back: int, ledger: str | None = None):
+        self.cluster, self.after, self.remove, self.add_back = cluster, after, remove, add_back
+        self.ledger = ledger  # "first": remove the ledger's worker node first; "spare": keep it
+        self.report: dict[str, Any] = {}
+
+    def __call__(self, batches: int, ledger_id: str | None = None) -> None:
+        if batches != self.after:
+            return
+        ledger = ledger_node(ledger_id) if ledger_id else None
+        rank = {"first": lambda n: n.node_id != ledger, "spare": lambda n: n.node_id == ledger}.get(self.ledger)
+        nodes = sorted(self.cluster.worker_nodes, key=lambda n: (rank(n) if rank else 0, -busy_cpus(n.node_id)))
+        gone = nodes[: self.remove]
+        self.report["busy_cpus_removed"] = sum(busy_cpus(n.node_id) for n in gone)
+        self.report["ledger_node"] = ledger
+        self.report["ledger_node_removed"] = ledger in {n.node_id for n in gone}
+        for node in gone:
+            self.cluster.remove_node(node, allow_graceful=False)
+        self.report["removed"] = len(gone)
+        for _ in range(self.add_back):
+            self.cluster.add_node(num_cpus=1, object_store_memory=STORE)
+        self.report["added"] = self.add_back
+
+
+def ledger_node(actor_id: str) -> str | None:
+    """The node of a (``RunLedger``) actor, from the GCS's actor table."""
+    from ray._private.state import actors
+
+    return actors(actor_id)["Address"]["NodeID"]
+
+
+def main(spec: dict) -> dict:
+    cluster = start_cluster(spec.get("workers", 3), spec.get("head_cpus", 0))
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        result: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
+        hog = occupy_driver_node(spec["busy_driver_node"]) if spec.get("busy_driver_node") else None  # noqa: F841
+        run = run_with_loss if spec.get("mode") == "run" else stream_with_loss
+        if spec.get("reference", True):  # the same pass on the whole cluster
+            started = time.perf_counter()
+            result["reference"] = run(spec, None)
+            result["reference_s"] = time.perf_counter() - started
+        after, remove, add_back = spec.get("after", 2), spec.get("remove", 2), spec.get("add_back", 1)
+        loss = NodeLoss(cluster, after, remove, add_back, spec.get("ledger"))
+        started = time.perf_counter()
+        result["loss"] = run(spec, loss)
+        result["loss_s"] = time.perf_counter() - started
+        result["loss"]["nodes"] = loss.report
+        return result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def stream_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
+    """``build_dataset`` + ``iter_torch_batches(collate_fn=VerlCollate())``: (index, digest) of every row in order."""
+    from ingest import build_dataset
+
+    ds = build_dataset(spec["files"], spec["model"], spec["config"], spec.get("processor"))
+    return {"rows": rows(ds, spec.get("batch_size", 16), loss)}
+
+
+def run_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
+    """``run_pipeline`` (the run's ledger, summary and quarantine file), with nodes removed once its ledger has
+    counted ``watch_rows`` rows in (the run's own loop consumes the dataset, so the loss is triggered from a thread
+    that reads the ledger). A run that raises gives ``{"error": ...}``."""
+    import threading
+
+    import pyarrow.parquet as pq
+    from ray._private.state import actors
+
+    from ingest.run import run_pipeline
+
+    stop = threading.Event()
+    earlier = {a for a, v in actors().items() if v["ActorClassName"] == "RunLedger"}  # the reference run's
+
+    def watch() -> None:
+        # run_pipeline holds the ledger's handle; this thread reads its counts and removes nodes once `watch_rows`
+        # rows have been counted in (the stages report each batch as they go)
+        try:
+            while not stop.is_set():
+                handle = run_ledger_handle(earlier)
+                if handle is not None and ray.get(handle.get.remote())["rows_in"] >= spec["watch_rows"]:
+                    loss(loss.after, handle._actor_id.hex())
+                    return
+                time.sleep(0.1)
+        except Exception:  # the test reads it (a thread's exception is otherwise only printed)
+            import traceback
+
+            loss.report["watch_error"] = traceback.format_exc()[-3000:]
+
+    thread = threading.Thread(target=watch, daemon=True)
+    if loss is not None:
+        thread.start()
+    out = spec["output"] + ("/loss" if loss else "/reference")
+    try:
+        summary = run_pipeline(spec["files"], spec["model"], spec["config"], output=out, batch_size=spec["batch_size"])
+    except Exception as exc:
+        from ingest.errors import find_ingest_error
+
+        found = find_ingest_error(exc)
+        error = {"type": type(found).__name__, "message": str(found)} if found else None
+        return {"error": f"{type(exc).__name__}: {exc}"[:4000], "ingest_error": error, "nodes": loss.report}
+    finally:
+        stop.set()
+        if loss is not None:
+            thread.join(timeout=60)
+    parts = sorted(str(p) for p in Path(out).glob("part-*.parquet"))
+    indices = [int(x["index"]) for p in parts for x in pq.read_table(p, columns=["extra_info"])[0].to_pylist()]
+    quarantine = pq.read_table(f"{out}/quarantine.parquet") if summary.quarantine_file else None
+    return {
+        "summary": summary.to_dict(),
+        "indices": indices,
+        "quarantine_rows": 0 if quarantine is None else sum(quarantine.column("rows").to_pylist()),
+    }
+
+
+def run_ledger_handle(skip: set[str]):
+    """The handle of the ledger ``run_pipeline`` made (not one of ``skip``), found among this process's objects:
+    the run keeps it local."""
+    import gc
+
+    from ray.actor import ActorHandle
+
+    for obj in gc.get_objects():
+        if isinstance(obj, ActorHandle) and "RunLedger" in str(obj._ray_actor_creation_function_descriptor):
+            if obj._actor_id.hex() not in skip:
+                return obj
+    return None
+
+
+@ray.remote
+class Hog:
+    """Holds CPUs of a node, as a trainer's processes on the driver's node would."""
+
+    def ping(self) -> bool:
+        return True
+
+
+def occupy_driver_node(cpus: float) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    hog = Hog.options(num_cpus=cpus, scheduling_strategy=here).remote()
+    ray.get(hog.ping.remote())
+    return hog
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,167 @@
+"""Losing worker nodes mid-epoch on a real multi-node Ray (``ray.cluster_utils.Cluster``: a head with no CPU, where
+the driver runs, and three 1-CPU workers with 100 MB object stores, so the pipeline's actors and blocks live on the
+workers). Two of the three workers (the busiest) are killed after the driver has taken its first batches, and one
+fresh worker joins so the pools can run again.
+
+What this proves, each against a reference pass on the whole cluster:
+- text rows through ``build_dataset`` + ``iter_torch_batches(collate_fn=VerlCollate())``: every row exactly once, in
+  input order, equal tensor for tensor. Nothing of ours does this: Ray restarts the lost actors, resubmits their
+  tasks and reconstructs lost blocks from lineage, and the consumer sees the same stream;
+- image rows through the tokenizer, decode and vision pools: the same, pixel values and all;
+- ``run_pipeline``: the summary's counts (rows in = out + filtered + quarantined), the quarantine file and the
+  written rows equal the reference run's. Retried batches report their counts again; the ledger counts each batch
+  key once;
+- the ledger (``RunLedger``) is not pinned: Ray places it on the driver's node or a worker, always a worker when the
+  driver's node is busy. When its node is lost the run fails with ``LedgerLostError`` naming the ledger, never a
+  summary with wrong counts.
+
+Each test runs its cluster in a subprocess (``tests/support/node_loss.py``): the session's own local Ray holds this
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.support.cluster import ROOT, cluster_env
+
+TEXT_CONFIG = {
+    "shuffle": False,
+    # small read units and batches: many tasks in flight on every node when the nodes go
+    "read_rows_per_task": 20,
+    "tokenizer_batch_size": 20,
+    "tokenizer_pool_max_size": 3,
+}
+
+
+def _run(spec: dict, timeout: int = 300) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.node_loss", json.dumps(spec)],
+        env=cluster_env(PYTHONPATH=str(ROOT), RAY_DATA_DISABLE_PROGRESS_BARS="1"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+def _lost_busy_nodes(result: dict) -> None:
+    """The loss hit the pipeline: two workers went, holding some of its actors."""
+    nodes = result["loss"]["nodes"]
+    assert "watch_error" not in nodes, nodes["watch_error"]
+    assert nodes["removed"] == 2 and nodes["busy_cpus_removed"] > 0, nodes
+
+
+def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(model_dir, tmp_path):
+    from ingest.demo import write_gsm8k_parquet
+
+    files = write_gsm8k_parquet(tmp_path, 1200, num_files=3, row_group_size=20)
+    spec = {"files": files, "model": model_dir, "config": TEXT_CONFIG, "batch_size": 16, "after": 2}
+    result = _run(spec)
+    _lost_busy_nodes(result)
+    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
+    assert [i for i, _ in reference] == list(range(1200))
+    assert [i for i, _ in rows] == list(range(1200))  # every row once, in input order
+    assert rows == reference  # and each row equal, tensor for tensor
+
+
+def test_image_rows_through_decode_and_vision_pools_survive_node_loss(model_dir, tmp_path):
+    from ingest.devtools.samples import write_geo3k_parquet
+
+    files = write_geo3k_parquet(tmp_path, 96, num_files=2, row_group_size=8)
+    config = {
+        "shuffle": False,
+        "read_rows_per_task": 8,
+        "tokenizer_batch_size": 8,
+        "vision_batch_size": 4,
+        "filter_overlong_prompts": False,
+        "max_prompt_length": 4096,
+    }
+    spec = {"files": files, "model": model_dir, "processor": model_dir, "config": config, "batch_size": 8, "after": 2}
+    result = _run(spec)
+    _lost_busy_nodes(result)
+    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
+    assert [i for i, _ in reference] == list(range(96))
+    assert [i for i, _ in rows] == list(range(96))
+    assert rows == reference  # pixel values, grids and position ids included
+
+
+@pytest.fixture
+def text_with_bad_rows(tmp_path) -> list[str]:
+    """1,200 gsm8k rows over 3 files: every 23rd prompt overlong (filtered), every 50th an empty message list
+    (quarantined)."""
+    from ingest.demo import gsm8k_rows
+
+    rows = gsm8k_rows(1200, long_every=23)
+    for i in range(7, 1200, 50):
+        rows[i]["prompt"] = []
+    table = pa.Table.from_pylist(rows)
+    paths = [str(tmp_path / f"train-{k}.parquet") for k in range(3)]
+    for k, path in enumerate(paths):
+        pq.write_table(table.slice(k * 400, 400), path, row_group_size=20)
+    return paths
+
+
+RUN_CONFIG = {**TEXT_CONFIG, "on_bad_row": "quarantine", "max_prompt_length": 256}
+COUNTS = ("rows_in", "rows_out", "filtered_overlong", "quarantined", "prompt_tokens")
+
+
+def test_run_summary_and_quarantine_exact_after_node_loss(model_dir, text_with_bad_rows, tmp_path):
+    spec = {
+        "mode": "run",
+        "files": text_with_bad_rows,
+        "model": model_dir,
+        "config": RUN_CONFIG,
+        "batch_size": 16,
+        "output": str(tmp_path / "out"),
+        "watch_rows": 20,  # nodes go once the ledger has counted a batch in
+        "add_back": 0,  # the one worker left runs the rest (a node cannot be added from the watching thread)
+        "ledger": "spare",  # the two other workers go; the ledger's loss is the next test
+    }
+    result = _run(spec)
+    reference, loss = result["reference"], result["loss"]
+    assert "error" not in loss, loss
+    _lost_busy_nodes(result)
+    ref, got = reference["summary"], loss["summary"]
+    assert ref["quarantined"] == 24 and ref["filtered_overlong"] > 0 and ref["accounted"]
+    assert {k: got[k] for k in COUNTS} == {k: ref[k] for k in COUNTS}
+    assert got["rows_in"] == got["rows_out"] + got["filtered_overlong"] + got["quarantined"] and got["accounted"]
+    assert loss["indices"] == reference["indices"] and len(loss["indices"]) == got["rows_out"]
+    assert loss["quarantine_rows"] == reference["quarantine_rows"] == 24  # one record per bad row, none twice
+
+
+def test_losing_the_ledgers_node_fails_the_run_with_a_clear_error(model_dir, text_with_bad_rows, tmp_path):
+    spec = {
+        "mode": "run",
+        "files": text_with_bad_rows,
+        "model": model_dir,
+        "config": RUN_CONFIG,
+        "batch_size": 16,
+        "output": str(tmp_path / "out"),
+        "watch_rows": 20,
+        "add_back": 0,
+        "ledger": "first",
+        "reference": False,
+        # the driver's node busy (its one CPU held, as a trainer's processes would hold it): Ray then places the
+        # ledger on a worker node; on an idle driver's node it lands there or on a worker, by chance
+        "head_cpus": 1,
+        "busy_driver_node": 1,
+    }
+    loss = _run(spec)["loss"]
+    assert "watch_error" not in loss["nodes"], loss["nodes"]["watch_error"]
+    assert loss["nodes"].get("removed") == 2, loss  # the run was still going when its ledger's node went
+    if not loss["nodes"]["ledger_node_removed"]:
+        pytest.skip("the ledger was placed on the driver's node, which this test cannot remove")
+    assert "summary" not in loss, "a run whose ledger was lost returned a summary"
+    assert loss["ingest_error"] is not None, loss["error"]
+    assert loss["ingest_error"]["type"] == "LedgerLostError"
+    assert "the run's ledger (the RunLedger actor that counts rows) is lost" in loss["ingest_error"]["message"]
