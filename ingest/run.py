@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
@@ -215,7 +216,9 @@ def run_pipeline(
     started = time.perf_counter()
     plan, bad_files = plan_run(files, cfg, multimodal=processor is not None)
     run_id = uuid.uuid4().hex[:12]  # the ``run`` tag of the exported counters
-    ledger = RunLedger.remote(run_id)
+    # the ledger lives on the driver's node: the run then outlives any other node, and that node goes only with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    ledger = RunLedger.options(scheduling_strategy=here).remote(run_id)
     layout = cluster_layout(cfg) if processor is not None else None
     cfg = layout.apply(cfg) if layout else cfg
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
