@@ -25,6 +25,7 @@ TRUNCATION_MODES = ("left", "right", "middle", "error")
 # verl-0.9 is the raw_prompt row of verl 0.7 and later (no ids: the rollout tokenizes). "auto": the installed verl's
 # (resolve_row_format)
 ROW_FORMATS = ("verl-0.5", "verl-0.6", "verl-0.9")
+SEPARATE_POOL_SIZE = 2  # a media pool's max size when its stage has a pool of its own and the config sets none
 # the row format of each verl release line that has one here
 _RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.9": "verl-0.9"}
 
@@ -243,6 +244,12 @@ class DataConfig:
         if unknown:
             logger.warning("ignoring unknown data config keys: %s", ", ".join(map(str, unknown)))
         return cls(**known)
+
+    def pool_max_size(self, pool: str) -> int:
+        """A pool's max size: the config's, or the separate layout's (``SEPARATE_POOL_SIZE``) where the size is unset
+        and no cluster layout was applied (actors built outside ``build_dataset``, SFT's pools)."""
+        size = getattr(self, f"{pool}_pool_max_size")
+        return SEPARATE_POOL_SIZE if size is None else size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

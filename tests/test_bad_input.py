@@ -321,6 +321,9 @@ class _MiscountingLedger:
     def __init__(self, phantom: dict):
         self.phantom = phantom
 
+    def options(self, **options):
+        return self
+
     def remote(self, *args, **kwargs):
         ledger = RunLedger.remote(*args, **kwargs)
         ray.get(ledger.add.remote(self.phantom, []))

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ingest.config import DataConfig
+from ingest.config import SEPARATE_POOL_SIZE, DataConfig
 
 # a CPU-only cluster with at most this many CPUs gets the one-pool layout
 ONE_POOL_MAX_CPUS = 4
-SEPARATE_POOL_SIZE = 2  # each pool's max size in the separate layout (the sizes before the layout was chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +52,3 @@ def choose_layout(cfg: DataConfig, resources: Mapping[str, float]) -> Layout:
         return Layout("one-pool", reason, 0, 0)
     reason = f"{cpus:g} CPUs > {ONE_POOL_MAX_CPUS}: decode and vision pools of their own"
     return Layout("separate", reason, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
-
-
-def pool_max_size(cfg: DataConfig, pool: str) -> int:
-    """A pool's max size: the config's, or the separate layout's where no layout was applied (SFT's pools)."""
-    size = getattr(cfg, f"{pool}_pool_max_size")
-    return SEPARATE_POOL_SIZE if size is None else size

@@ -12,7 +12,6 @@ from typing import Literal
 import ray
 
 from ingest.config import DataConfig, StageContext
-from ingest.datasets.layout import pool_max_size
 from ingest.datasets.plan import InputPlan, units_source
 from ingest.errors import IngestError
 
@@ -179,7 +178,7 @@ def map_on_pool(
         batch_format="pyarrow",
         zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(
-            min_size=getattr(cfg, f"{pool}_pool_min_size"), max_size=pool_max_size(cfg, pool)
+            min_size=getattr(cfg, f"{pool}_pool_min_size"), max_size=cfg.pool_max_size(pool)
         ),
         num_cpus=getattr(cfg, f"{pool}_num_cpus"),
         **gpu,

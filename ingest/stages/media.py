@@ -24,8 +24,8 @@ def media_steps(config: DataConfig, pool: Pool) -> tuple[bool, bool]:
     is 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) runs in the actors of the stage before it. verl 0.9
     rows have no vision stage (the rollout processes the media)."""
     if config.row_format == "verl-0.9":
-        return pool == "decode" or (pool == "tokenizer" and config.decode_pool_max_size == 0), False
-    decode_pool, vision_pool = config.decode_pool_max_size > 0, config.vision_pool_max_size > 0
+        return pool == "decode" or (pool == "tokenizer" and config.pool_max_size("decode") == 0), False
+    decode_pool, vision_pool = config.pool_max_size("decode") > 0, config.pool_max_size("vision") > 0
     if pool == "tokenizer":
         return not decode_pool, not decode_pool and not vision_pool
     if pool == "decode":
