@@ -14,6 +14,7 @@ _EXPORTS = {
     "DataConfig": "ingest.config",
     "IngestError": "ingest.errors",
     "ModelLoadError": "ingest.errors",
+    "PromptShard": "ingest.shards",
     "PromptStream": "ingest.stream",
     "SFTCollate": "ingest.datasets.sft",
     "SourceError": "ingest.errors",
@@ -21,6 +22,9 @@ _EXPORTS = {
     "build_dataset": "ingest.datasets.rl",
     "build_sft_dataset": "ingest.datasets.sft",
     "iter_batch_refs": "ingest.feed",
+    "merge_shard_states": "ingest.shards",
+    "reshard_states": "ingest.shards",
+    "split_shard_state": "ingest.shards",
 }
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "DataConfig",
     "IngestError",
     "ModelLoadError",
+    "PromptShard",
     "PromptStream",
     "SFTCollate",
     "SourceError",
@@ -35,6 +40,9 @@ __all__ = [
     "build_dataset",
     "build_sft_dataset",
     "iter_batch_refs",
+    "merge_shard_states",
+    "reshard_states",
+    "split_shard_state",
 ]
 
 if TYPE_CHECKING:
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
     from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
     from ingest.feed import iter_batch_refs
     from ingest.rowformat.collate import VerlCollate
+    from ingest.shards import PromptShard, merge_shard_states, reshard_states, split_shard_state
     from ingest.stream import PromptStream
 
 
