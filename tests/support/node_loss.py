@@ -2,7 +2,9 @@
 
 Run as a script (``python -m tests.support.node_loss SPEC_JSON``): the test session already holds a local Ray, and a
 driver joins one cluster per process. It prints one ``RESULT {...}`` line: per-row digests of a reference pass on
-the whole cluster and of the pass that lost nodes, and what the loss hit.
+the whole cluster and of the pass that lost nodes, and what the loss hit. The spec's ``mode`` picks the consumer:
+``build_dataset`` + ``iter_torch_batches`` (default), ``run`` (``run_pipeline``), ``refs`` (``iter_batch_refs`` to
+rollout actors) or ``state`` (``PromptStream`` state taken after the loss, resumed in a new stream).
 """
 
 from __future__ import annotations
@@ -107,14 +109,22 @@ class NodeLoss:
         self.ledger = ledger  # "first": remove the ledger's worker node first; "spare": keep it
         self.report: dict[str, Any] = {}
 
-    def __call__(self, batches: int, ledger_id: str | None = None) -> None:
+    def __call__(self, batches: int, ledger_id: str | None = None, first: set[str] | None = None) -> None:
+        """``first``: node ids to remove before the busiest (e.g. the nodes holding some batch refs' objects)."""
         if batches != self.after:
             return
         ledger = ledger_node(ledger_id) if ledger_id else None
-        rank = {"first": lambda n: n.node_id != ledger, "spare": lambda n: n.node_id == ledger}.get(self.ledger)
+        ranks = {
+            "first": lambda n: n.node_id != ledger,
+            "spare": lambda n: n.node_id == ledger,
+            "given": lambda n: n.node_id not in first,
+        }
+        rank = ranks["given"] if first else ranks.get(self.ledger)
         nodes = sorted(self.cluster.worker_nodes, key=lambda n: (rank(n) if rank else 0, -busy_cpus(n.node_id)))
         gone = nodes[: self.remove]
+        self.report["busy_cpus"] = {n.node_id[:8]: busy_cpus(n.node_id) for n in nodes}
         self.report["busy_cpus_removed"] = sum(busy_cpus(n.node_id) for n in gone)
+        self.report["removed_ids"] = [n.node_id for n in gone]
         self.report["ledger_node"] = ledger
         self.report["ledger_node_removed"] = ledger in {n.node_id for n in gone}
         for node in gone:
@@ -139,7 +149,8 @@ def main(spec: dict) -> dict:
         ray.data.DataContext.get_current().enable_progress_bars = False
         result: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
         hog = occupy_driver_node(spec["busy_driver_node"]) if spec.get("busy_driver_node") else None  # noqa: F841
-        run = run_with_loss if spec.get("mode") == "run" else stream_with_loss
+        modes = {"run": run_with_loss, "refs": refs_with_loss, "state": state_with_loss}
+        run = modes.get(spec.get("mode"), stream_with_loss)
         if spec.get("reference", True):  # the same pass on the whole cluster
             started = time.perf_counter()
             result["reference"] = run(spec, None)
@@ -162,6 +173,120 @@ def stream_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
 
     ds = build_dataset(spec["files"], spec["model"], spec["config"], spec.get("processor"))
     return {"rows": rows(ds, spec.get("batch_size", 16), loss)}
+
+
+@ray.remote(num_cpus=0)
+class Rollout:
+    """A rollout actor's stand-in: takes one batch (a ref Ray resolves before the call) and returns (index, digest)
+    of each row, as a rollout would read it (``batch_to_torch``)."""
+
+    def generate(self, batch: dict) -> list[list]:
+        from ingest.feed import batch_to_torch
+
+        batch = batch_to_torch(batch)
+        return [[int(batch["index"][i]), digest(batch, i)] for i in range(len(batch["index"]))]
+
+
+def refs_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
+    """``iter_batch_refs`` feeding ``Rollout`` actors (pinned to the driver's node, which never goes), round robin.
+
+    With a loss: the first ``after`` batches are handed out and their calls awaited (consumed); the next ``hold``
+    refs are taken from the iterator but held back, and the nodes that store their objects (the producer's) go
+    first, with the busiest others up to ``remove``. Then the held refs and the rest are handed out. Each call's
+    rows, or its error (type and message), in the order of the refs."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ingest import build_dataset
+    from ingest.feed import iter_batch_refs
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actors = [Rollout.options(scheduling_strategy=here).remote() for _ in range(spec.get("actors", 3))]
+    ds = build_dataset(spec["files"], spec["model"], spec["config"], spec.get("processor"))
+    after, hold = spec.get("after", 2), spec.get("hold", 2)
+    calls: list = []
+    held: list = []
+    report: dict[str, Any] = {}
+
+    earlier = producer_attempts()  # an earlier pass's producer, not this one's
+
+    def hand(ref) -> None:
+        calls.append(actors[len(calls) % len(actors)].generate.remote(ref))
+
+    for n, ref in enumerate(iter_batch_refs(ds, spec.get("batch_size", 16), prefetch=spec.get("prefetch", 2))):
+        if loss is None or n < after:
+            hand(ref)
+            if loss is not None and n + 1 == after:
+                ray.wait(calls, num_returns=len(calls))  # the first batches are consumed before the loss
+            continue
+        if len(held) < hold and not report:
+            held.append(ref)
+            if len(held) < hold:
+                continue
+            # where the held batches live: a stored object's node, or none for one kept in the driver's memory
+            where = ray.experimental.get_object_locations(held)
+            stored = {node for ref in held for node in where[ref]["node_ids"]}
+            report["held_sizes"] = [where[ref]["object_size"] for ref in held]
+            report["held_nodes"] = sorted(stored)
+            loss(after, first=stored)
+            report["held_only_on_removed_nodes"] = bool(stored) and stored <= set(loss.report["removed_ids"])
+            for ref in held:
+                hand(ref)
+            continue
+        hand(ref)
+    out: list[dict] = []
+    for call in calls:
+        try:
+            out.append({"rows": ray.get(call)})
+        except Exception as exc:
+            out.append({"error": type(exc).__name__, "message": str(exc)[:2000]})
+    attempts = {task: n for task, n in producer_attempts().items() if task not in earlier}
+    return {"calls": out, "producer_attempts": sorted(attempts.values()), **report}
+
+
+def producer_attempts() -> dict[str, int]:
+    """Task id -> attempts seen of each ``iter_batch_refs`` producer task, from the GCS's task events (an attempt
+    after the first is Ray running the task again)."""
+    from ray._private.state import state
+
+    events = state._get_all_task_events()
+    producers = {e.task_id for e in events if e.task_info.name.endswith("_produce_batches")}
+    attempts: dict[str, int] = {}
+    for event in events:
+        if event.task_id in producers:
+            task = event.task_id.hex()
+            attempts[task] = max(attempts.get(task, 0), event.attempt_number + 1)
+    return attempts
+
+
+def state_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
+    """``PromptStream``: without a loss, one uninterrupted epoch's rows. With one: ``after`` batches, the loss, more
+    batches up to ``state_at``, then ``state_dict()`` (through JSON, as a checkpoint would keep it); the stream is
+    closed and a new ``PromptStream`` on the cluster that is left loads the state and reads the rest."""
+    from ingest import PromptStream
+
+    def stream() -> PromptStream:
+        return PromptStream(spec["files"], spec["model"], spec["config"], spec.get("batch_size", 16))
+
+    def of(batch: dict) -> list[list]:
+        return [[int(batch["index"][i]), digest(batch, i)] for i in range(len(batch["index"]))]
+
+    if loss is None:
+        return {"rows": [row for batch in stream() for row in of(batch)]}
+    first = stream()
+    batches = iter(first)
+    before: list[list] = []
+    for n, batch in enumerate(batches, 1):
+        before += of(batch)
+        loss(n)
+        if n == spec["state_at"]:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    batches.close()  # the consumer stops: its pipeline is shut down
+    del batches, first
+    resumed = stream()
+    resumed.load_state_dict(state)
+    rest = [row for batch in resumed for row in of(batch)]
+    return {"before": before, "rest": rest, "state": state}
 
 
 def run_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
