@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -230,5 +231,13 @@ def test_a_lost_ledger_is_a_clear_error(ray_session):
     ledger = RunLedger.remote("lost")
     report_counts(ledger, BatchCounts(rows_in=3, rows_out=3), key=("a", 0))
     ray.kill(ledger)
+    # ray.kill returns before the actor is gone; a call sent meanwhile may still land, so wait for its death first
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ledger.get.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.2)
     with pytest.raises(LedgerLostError, match="the run's ledger .* is lost"):
         report_counts(ledger, BatchCounts(rows_in=3, rows_out=3), key=("a", 1))
