@@ -170,18 +170,24 @@ RUN_CONFIG = {**TEXT_CONFIG, "on_bad_row": "quarantine", "max_prompt_length": 25
 COUNTS = ("rows_in", "rows_out", "filtered_overlong", "quarantined", "prompt_tokens")
 
 
-def test_run_summary_and_quarantine_exact_after_node_loss(model_dir, text_with_bad_rows, tmp_path):
-    spec = {
+def _run_spec(files: list[str], model: str, tmp_path, **extra) -> dict:
+    """``run_pipeline`` on ``files`` with two workers lost once the ledger has counted a batch in; the one worker left
+    runs the rest (a node cannot be added from the watching thread)."""
+    return {
         "mode": "run",
-        "files": text_with_bad_rows,
-        "model": model_dir,
+        "files": files,
+        "model": model,
         "config": RUN_CONFIG,
         "batch_size": 16,
         "output": str(tmp_path / "out"),
-        "watch_rows": 20,  # nodes go once the ledger has counted a batch in
-        "add_back": 0,  # the one worker left runs the rest (a node cannot be added from the watching thread)
-        "ledger": "spare",  # the two other workers go; the ledger's loss is the next test
+        "watch_rows": 20,
+        "add_back": 0,
+        **extra,
     }
+
+
+def test_run_summary_and_quarantine_exact_after_node_loss(model_dir, text_with_bad_rows, tmp_path):
+    spec = _run_spec(text_with_bad_rows, model_dir, tmp_path, ledger="spare")  # a ledger on a worker stays
     result = _run(spec)
     reference, loss = result["reference"], result["loss"]
     assert "error" not in loss, loss
@@ -198,18 +204,7 @@ def test_the_runs_ledger_stays_on_the_drivers_node_and_the_run_finishes(model_di
     """``run_pipeline`` pins its ledger to the driver's node, even when that node is busy (its one CPU held, as a
     trainer's processes would hold it; unpinned, Ray then put the ledger on a worker): losing two workers leaves the
     counts whole."""
-    spec = {
-        "mode": "run",
-        "files": text_with_bad_rows,
-        "model": model_dir,
-        "config": RUN_CONFIG,
-        "batch_size": 16,
-        "output": str(tmp_path / "out"),
-        "watch_rows": 20,
-        "add_back": 0,
-        "head_cpus": 1,
-        "busy_driver_node": 1,
-    }
+    spec = _run_spec(text_with_bad_rows, model_dir, tmp_path, head_cpus=1, busy_driver_node=1)
     result = _run(spec)
     reference, loss = result["reference"], result["loss"]
     assert "error" not in loss, loss
