@@ -19,6 +19,7 @@ from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.pools import ensure_ray
 from ingest.datasets.rl import build_dataset, cluster_layout
+from ingest.datasets.store import StoreTotals, store_totals
 from ingest.errors import IngestError, SourceError
 from ingest.read.files import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
 from ingest.stats import RunLedger, RunSummary
@@ -113,6 +114,8 @@ class RunReport(RunSummary):
     files_quarantined_rows_unknown: int = 0
     rows_quarantined_in_files: int = 0
     layout: str | None = None  # the media pools' layout and why (``Layout.describe``); None for text rows
+    # what the cluster's object store spilled to disk and restored during the run; None when Ray did not say
+    object_store: StoreTotals | None = None
 
     @classmethod
     def of(cls, summary: RunSummary, bad_files: list[BadFile]) -> RunReport:
@@ -134,6 +137,8 @@ class RunReport(RunSummary):
             lines.insert(at, f"quarantined files  {self.files_quarantined:>12,}{note})")
         if self.layout:
             lines.append(f"media layout       {self.layout}")
+        spill = "unknown (the raylet did not answer)" if self.object_store is None else self.object_store.describe()
+        lines.append(f"object store       {spill}")
         return "\n".join(lines)
 
 
@@ -214,6 +219,7 @@ def run_pipeline(
     ensure_ray()
     cfg = DataConfig.from_any(config)
     started = time.perf_counter()
+    store_before = store_totals()
     plan, bad_files = plan_run(files, cfg, multimodal=processor is not None)
     run_id = uuid.uuid4().hex[:12]  # the ``run`` tag of the exported counters
     # the ledger lives on the driver's node: the run then outlives any other node, and that node goes only with it
@@ -241,6 +247,8 @@ def run_pipeline(
     summary.quarantined = counts["quarantined"] + summary.rows_quarantined_in_files
     summary.prompt_tokens = counts["prompt_tokens"]
     summary.finish(started)
+    store_after = store_totals() if store_before is not None else None
+    summary.object_store = store_after.since(store_before) if store_after is not None else None
     records = [file_record(b) for b in bad_files]
     records += ray.get(ledger.quarantine.remote()) if counts["quarantined"] else []
     if records and (quarantine_dir or output):
