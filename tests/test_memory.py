@@ -126,3 +126,41 @@ def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
     assert any(b.ctypes.data == address for b in PATCHES._buffers)
     del later
     assert np.asarray(pixels.patches(images)[0]).ctypes.data == address
+
+
+def test_pooled_image_rows_for_the_scale_bench(tmp_path):
+    """``bench scale --images``'s data (``write_geo3k_pool_parquet``): geo3k rows in files of ``rows_per_file`` with
+    the HF schema, one image a row and two every 5th, every 7th row's by path, all drawn from a pool of distinct
+    images; ``grain`` keeps ``make_image``'s pixel sizes and modes with fewer encoded bytes."""
+    import io
+    import random
+
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from ingest.devtools.samples import IMAGE_KINDS, encode_image, geo3k_schema, make_image, write_geo3k_pool_parquet
+
+    data = write_geo3k_pool_parquet(tmp_path, 23, pool_size=6, rows_per_file=10, row_group_size=4)
+    assert [pq.ParquetFile(f).metadata.num_rows for f in data["files"]] == [10, 10, 3]
+    assert [pq.ParquetFile(f).metadata.num_row_groups for f in data["files"]] == [3, 3, 1]
+    table = pa.concat_tables(pq.read_table(f) for f in data["files"])
+    assert table.schema.names == geo3k_schema().names and table.schema.metadata == geo3k_schema().metadata
+    rows = table.to_pylist()
+    assert [r["extra_info"]["index"] for r in rows] == list(range(23))
+    assert [len(r["images"]) for r in rows] == [2 if i % 5 == 4 else 1 for i in range(23)]
+    assert all(r["prompt"][0]["content"].count("<image>") == len(r["images"]) for r in rows)
+    by_path = [img for i, r in enumerate(rows) for img in r["images"] if i % 7 == 3]
+    embedded = [img for i, r in enumerate(rows) for img in r["images"] if i % 7 != 3]
+    assert all(img["bytes"] is None and Path(img["path"]).is_file() for img in by_path)
+    assert all(img["bytes"] and img["path"] is None for img in embedded)
+    encoded = {img["bytes"] for img in embedded} | {Path(img["path"]).read_bytes() for img in by_path}
+    assert len(encoded) == 6  # the pool, reused: 27 images in all
+    assert (data["rows"], data["images"], data["images_by_path"]) == (23, 27, len(by_path))
+    assert data["bytes_on_disk"] == sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert {Image.open(io.BytesIO(b)).mode for b in encoded} == {"RGB", "L", "P", "RGBA"}
+
+    for kind in IMAGE_KINDS:
+        (fine, fmt), (coarse, _) = make_image(kind, random.Random(1)), make_image(kind, random.Random(1), grain=8)
+        assert (coarse.size, coarse.mode) == (fine.size, fine.mode)
+        if kind != "tiny":
+            assert len(encode_image(coarse, fmt)) < len(encode_image(fine, fmt)) / 2

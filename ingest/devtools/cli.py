@@ -18,9 +18,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
         return 0
     if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
-        from ingest.devtools.scale import bench_scale
+        from ingest.devtools.scale import bench_scale  # --images: image rows, default 10k 100k
 
-        print(json.dumps(bench_scale(rows=args.rows or [100_000, 1_000_000], work_dir=args.work_dir), indent=2))
+        print(json.dumps(bench_scale(rows=args.rows, work_dir=args.work_dir, images=args.images), indent=2))
         return 0
     if args.kind == "scaling":  # rows/s against tokenizer actor counts, text and images (--rows: text, image rows)
         from ingest.devtools.scaling import bench_scaling
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument(
+        "--images", action="store_true", help="scale only: geo3k-shaped image rows (default 10000 100000), not text"
+    )
     bench.add_argument(
         "--record",
         action="store_true",

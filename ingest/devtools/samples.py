@@ -23,10 +23,14 @@ GEO3K_INSTRUCTION = (
 IMAGE_KINDS = ("png", "jpeg", "gray", "palette", "rgba", "tiny", "wide", "tall")
 
 
-def make_image(kind: str, rng: random.Random):
-    """A synthetic figure of one kind: (PIL image, format)."""
+def make_image(kind: str, rng: random.Random, *, grain: int = 1):
+    """A synthetic figure of one kind: (PIL image, format). ``grain``: the background noise (and RGBA's alpha) in
+    ``grain`` x ``grain`` pixel squares, the same pixel sizes with far fewer encoded bytes (1: every pixel its own)."""
     import numpy as np
     from PIL import Image, ImageDraw
+
+    def coarse(noise):
+        return noise if grain == 1 else noise.repeat(grain, 0).repeat(grain, 1)[:h, :w]
 
     if kind == "tiny":
         w = h = 28
@@ -36,7 +40,8 @@ def make_image(kind: str, rng: random.Random):
         w, h = rng.randint(28, 40), rng.randint(600, 900)
     else:
         w, h = rng.randint(64, 800), rng.randint(64, 800)
-    noise = np.random.default_rng(rng.randint(0, 2**31)).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    cells = (-(-h // grain), -(-w // grain))
+    noise = coarse(np.random.default_rng(rng.randint(0, 2**31)).integers(0, 256, (*cells, 3), dtype=np.uint8))
     image = Image.fromarray(noise // 4 + 160)
     draw = ImageDraw.Draw(image)
     for _ in range(4):
@@ -47,7 +52,7 @@ def make_image(kind: str, rng: random.Random):
     if kind == "palette":
         return image.convert("P", palette=Image.Palette.ADAPTIVE, colors=32), "PNG"
     if kind == "rgba":
-        alpha = Image.fromarray(np.random.default_rng(1).integers(0, 256, (h, w), dtype=np.uint8))
+        alpha = Image.fromarray(coarse(np.random.default_rng(1).integers(0, 256, cells, dtype=np.uint8)))
         image.putalpha(alpha)
         return image, "PNG"
     return image, ("JPEG" if kind == "jpeg" else "PNG")
@@ -103,32 +108,30 @@ def geo3k_rows(n: int, *, seed: int = 0, kinds=IMAGE_KINDS, multi_every: int = 5
                 images.append({"bytes": None, "path": str(path)})
             else:
                 images.append({"bytes": data, "path": None})
-        a, b = rng.randint(2, 30), rng.randint(2, 30)
-        problem = "<image>" * count + f"Find x if the angle is {a} and the side is {b}."
-        rows.append(
-            {
-                "data_source": "hiyouga/geometry3k",
-                "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
-                "images": images,
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": "train", "index": i, "answer": str(a + b), "question": problem},
-            }
-        )
+        rows.append(_geo3k_row(i, images, rng))
     return rows
 
 
-def write_geo3k_parquet(
-    out_dir: str | os.PathLike, num_rows: int, *, num_files: int = 1, seed: int = 0, row_group_size: int = 100, **kw
-) -> list[str]:
-    """geo3k-shaped Parquet with the HF ``Image()`` feature metadata, so HF datasets (verl) loads PIL images."""
+def _geo3k_row(i: int, images: list[dict], rng: random.Random) -> dict:
+    a, b = rng.randint(2, 30), rng.randint(2, 30)
+    problem = "<image>" * len(images) + f"Find x if the angle is {a} and the side is {b}."
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+        "images": images,
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": "train", "index": i, "answer": str(a + b), "question": problem},
+    }
+
+
+def geo3k_schema() -> pa.Schema:
+    """The geo3k rows' Arrow schema, with the HF ``Image()`` feature metadata (HF datasets, so verl, loads PIL
+    images from it)."""
     import json
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = geo3k_rows(num_rows, seed=seed, image_dir=str(out / "images"), **kw)
     image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    schema = pa.schema(
+    return pa.schema(
         [
             ("data_source", pa.string()),
             ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
@@ -144,6 +147,16 @@ def write_geo3k_parquet(
         ],
         metadata={"huggingface": json.dumps({"info": {"features": HF_IMAGE_FEATURES}})},
     )
+
+
+def write_geo3k_parquet(
+    out_dir: str | os.PathLike, num_rows: int, *, num_files: int = 1, seed: int = 0, row_group_size: int = 100, **kw
+) -> list[str]:
+    """geo3k-shaped Parquet with the HF ``Image()`` feature metadata, so HF datasets (verl) loads PIL images."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = geo3k_rows(num_rows, seed=seed, image_dir=str(out / "images"), **kw)
+    schema = geo3k_schema()
     paths, per_file = [], -(-num_rows // num_files)
     for k in range(num_files):
         chunk = rows[k * per_file : (k + 1) * per_file]
@@ -151,6 +164,69 @@ def write_geo3k_parquet(
         pq.write_table(pa.Table.from_pylist(chunk, schema=schema), path, row_group_size=row_group_size)
         paths.append(str(path))
     return paths
+
+
+def write_geo3k_pool_parquet(
+    out_dir: str | os.PathLike,
+    num_rows: int,
+    *,
+    pool_size: int = 1500,
+    rows_per_file: int = 5000,
+    row_group_size: int = 1000,
+    grain: int = 8,
+    seed: int = 0,
+    multi_every: int = 5,
+) -> dict:
+    """Many geo3k-shaped rows fast: ``pool_size`` distinct images (``make_image``, the 8 kinds in turn, its pixel
+    sizes, noise in ``grain``-pixel squares) are encoded once and reused across the rows, each row taking the pool's
+    next one or two (every ``multi_every``-th row two), every 7th row's by path (the pool's image written once as a
+    file), as ``geo3k_rows`` does. Rows go into files of ``rows_per_file``, written one at a time (the whole data set is
+    never in memory). For memory and streaming at scale, where image variety is not what is measured.
+
+    Returns the files and the counts: ``files``, ``rows``, ``images`` (by bytes + by path), ``images_by_path``,
+    ``pool_images``, ``rows_per_file``, ``row_group_size``, ``bytes_on_disk`` (the Parquet files and image files)."""
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pool = [make_image(IMAGE_KINDS[k % len(IMAGE_KINDS)], rng, grain=grain) for k in range(pool_size)]
+    pool = [(encode_image(image, fmt), fmt.lower()) for image, fmt in pool]
+    pool_paths: dict[int, str] = {}
+
+    def by_path(k: int) -> str:
+        if k not in pool_paths:
+            path = out / "images" / f"pool-{k}.{pool[k][1]}"
+            path.write_bytes(pool[k][0])
+            pool_paths[k] = str(path)
+        return pool_paths[k]
+
+    schema, files, images, images_by_path, next_image = geo3k_schema(), [], 0, 0, 0
+    for start in range(0, num_rows, rows_per_file):
+        rows = []
+        for i in range(start, min(start + rows_per_file, num_rows)):
+            count = 2 if multi_every and i % multi_every == multi_every - 1 else 1
+            picks = [(next_image + k) % pool_size for k in range(count)]
+            next_image += count
+            if i % 7 == 3:
+                row_images = [{"bytes": None, "path": by_path(k)} for k in picks]
+                images_by_path += count
+            else:
+                row_images = [{"bytes": pool[k][0], "path": None} for k in picks]
+            images += count
+            rows.append(_geo3k_row(i, row_images, rng))
+        path = out / f"geo3k-{start // rows_per_file:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
+        files.append(str(path))
+    on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return {
+        "files": files,
+        "rows": num_rows,
+        "images": images,
+        "images_by_path": images_by_path,
+        "pool_images": pool_size,
+        "rows_per_file": rows_per_file,
+        "row_group_size": row_group_size,
+        "bytes_on_disk": on_disk,
+    }
 
 
 # --- video rows (verl's video dicts: {"video": path} or {"video": [frame paths]}) ------------------------------------

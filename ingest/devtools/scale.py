@@ -1,9 +1,11 @@
-"""``python -m ingest bench scale``: peak memory of a streaming pass over 100k and 1M generated prompts.
+"""``python -m ingest bench scale``: peak memory of a streaming pass over generated prompts, 100k and 1M text rows
+(gsm8k-shaped) or, with ``--images``, 10k and 100k image rows (geo3k-shaped).
 
 Each size runs in a fresh child process with its own local Ray (``address="local"``), so no size inherits the
 other's driver heap, workers or object store. The child streams the dataset through ``build_dataset`` +
-``iter_torch_batches(collate_fn=VerlCollate())`` (batch 256, the embedded offline Qwen2-VL tokenizer, default pools)
-and a background thread samples memory every 0.5 s:
+``iter_torch_batches(collate_fn=VerlCollate())`` (batch 256, the embedded offline Qwen2-VL tokenizer, default pools;
+image rows: the same directory as the processor, ``processor=``, the default config's media layout) and a
+background thread samples memory every 0.5 s:
 
 - the processes of this Ray session: the driver and every process below it (``psutil.Process().children(
   recursive=True)``: gcs_server, raylet, the dashboard / runtime-env agents, every ``ray::`` worker). Other Ray
@@ -18,6 +20,15 @@ and a background thread samples memory every 0.5 s:
 Also reported: peak USS sum + store bytes in use (the same thing counted another way), peak RSS sum (counts shared
 pages once per process: an upper bound), the per-kind peaks (driver / raylet / gcs / workers / other), the idle
 baseline after ``ray.init`` and rows/s.
+
+The data is generated once per size into the sample-data cache, in a child process of its own (the generator's
+memory never counts). Text: 50k rows per file, 1000-row row groups, 1% overlong. Images
+(``write_geo3k_pool_parquet``): 5,000 rows per file, 1000-row row groups, one image per row and two in every 5th
+(every 7th row's by path), drawn in turn from a pool of 1,500 distinct images encoded once (``make_image``'s 8 kinds
+and pixel sizes, 28..900 px, noise in 8-pixel squares: ~10 KB an image, ~12 MiB on disk per 1,000 rows). Encoding
+120k images one by one would dominate the run, and what is measured is memory over a long stream, not image
+variety: every row still goes through read, decode, resize and collate. Each size's ``data`` entry gives the files,
+rows and images per file and the bytes on disk.
 """
 
 from __future__ import annotations
@@ -38,13 +49,17 @@ ROW_GROUP_SIZE = 1000
 BATCH_SIZE = 256
 SAMPLE_EVERY_S = 0.5
 SCALE_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error"}
+IMAGE_ROWS_PER_FILE = 5000
+IMAGE_POOL = 1500  # distinct encoded images, reused across the rows
+IMAGE_GRAIN = 8  # make_image's noise in 8 x 8 squares: same pixels, ~20x fewer PNG bytes than per-pixel noise
 MIB = 1024 * 1024
+DATA_MANIFEST = "data.json"
 
 
-def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None]:
+def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None, dict]:
     """gsm8k-shaped files (1% overlong, 50k rows per file, 1000-row row groups), generated once, in a child process
     (``write_gsm8k_parquet`` holds every row as a Python dict: its memory must not count for the pipeline).
-    Returns the files and the generation time (None when they already existed)."""
+    Returns the files, the generation time (None when they already existed) and the data's layout and bytes."""
     seconds: list[float] = []
 
     def write(out: Path) -> list[str]:
@@ -56,7 +71,49 @@ def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None]:
         return list(out.glob("*.parquet"))
 
     files = cached_files(work_dir, f"scale-gsm8k-{rows}", write)
-    return files, (seconds[0] if seconds else None)
+    data = {
+        "kind": "gsm8k text",
+        "files": len(files),
+        "rows_per_file": -(-rows // len(files)),
+        "row_group_size": ROW_GROUP_SIZE,
+        "bytes_on_disk": sum(os.path.getsize(f) for f in files),
+    }
+    return files, (seconds[0] if seconds else None), data
+
+
+def write_images(out: Path, rows: int) -> dict:
+    """The image rows of one size into ``out`` with their counts in ``out/data.json`` (``--write-images``)."""
+    from ingest.devtools.samples import write_geo3k_pool_parquet
+
+    data = write_geo3k_pool_parquet(
+        out,
+        rows,
+        pool_size=IMAGE_POOL,
+        rows_per_file=IMAGE_ROWS_PER_FILE,
+        row_group_size=ROW_GROUP_SIZE,
+        grain=IMAGE_GRAIN,
+    )
+    files = len(data["files"])
+    data = {"kind": "geo3k images", **data, "files": files, "images_per_file": round(data["images"] / files, 1)}
+    (out / DATA_MANIFEST).write_text(json.dumps(data))
+    return data
+
+
+def generate_images(work_dir: Path, rows: int) -> tuple[list[str], float | None, dict]:
+    """geo3k-shaped image rows (``write_images``), generated once, in a child process. Returns the files, the
+    generation time (None when they already existed) and the data's counts and bytes on disk."""
+    seconds: list[float] = []
+
+    def write(out: Path) -> list[str]:
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "ingest.devtools.scale", "--write-images", str(out), "--rows", str(rows)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        seconds.append(time.perf_counter() - started)
+        return list(out.glob("*.parquet"))
+
+    files = cached_files(work_dir, f"scale-geo3k-{rows}", write)
+    data = json.loads((Path(files[0]).parent / DATA_MANIFEST).read_text())
+    return files, (seconds[0] if seconds else None), data
 
 
 def _kind(proc) -> str:
@@ -182,11 +239,13 @@ def summarize(samples: list[dict], baseline: dict) -> dict:
     }
 
 
-def measure(rows: int, work_dir: Path) -> dict:
-    """One size, in this process: generate (child process), start Ray, stream, sample. Call in a fresh process."""
+def measure(rows: int, work_dir: Path, images: bool = False) -> dict:
+    """One size, in this process: generate (child process), start Ray, stream, sample. Call in a fresh process.
+    ``images``: geo3k-shaped image rows, the model directory as the processor too."""
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    files, gen_s = generate(work_dir, rows)
+    files, gen_s, data = (generate_images if images else generate)(work_dir, rows)
+    data["bytes_on_disk_mib"] = round(data.pop("bytes_on_disk") / MIB, 1)
     import ray
     import torch  # noqa: F401  (a trainer has torch loaded)
 
@@ -202,7 +261,7 @@ def measure(rows: int, work_dir: Path) -> dict:
     sampler.start()
     started = time.perf_counter()
     first = None
-    ds = build_dataset(files, model, SCALE_CONFIG)
+    ds = build_dataset(files, model, SCALE_CONFIG, processor=model if images else None)
     for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate()):
         if first is None:
             first = time.perf_counter() - started
@@ -215,6 +274,7 @@ def measure(rows: int, work_dir: Path) -> dict:
         "rows": rows,
         "rows_out": consumed[0],
         "files": len(files),
+        "data": data,
         "generate_s": None if gen_s is None else round(gen_s, 1),
         "ray_init_s": ray_init_s,
         "seconds": round(seconds, 1),
@@ -226,35 +286,24 @@ def measure(rows: int, work_dir: Path) -> dict:
     }
 
 
-def bench_scale(rows: list[int] | None = None, work_dir: str | None = None) -> dict:
+def bench_scale(rows: list[int] | None = None, work_dir: str | None = None, images: bool = False) -> dict:
     """Each size in its own child process (``python -m ingest.devtools.scale``), then the peak ratio of the last to
-    the first."""
-    rows = rows or [100_000, 1_000_000]
+    the first. ``images``: geo3k-shaped image rows (default 10k and 100k rows), else gsm8k-shaped text (100k, 1M)."""
+    rows = rows or ([10_000, 100_000] if images else [100_000, 1_000_000])
     work = cache_dir(work_dir)
     result: dict = {
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "data": "geo3k images" if images else "gsm8k text",
         "batch_size": BATCH_SIZE,
         "config": SCALE_CONFIG,
         "sizes": [],
     }
     for n in rows:
-        out = work / f"scale-{n}.json"
+        out = work / f"scale-{'images-' if images else ''}{n}.json"
         load = os.getloadavg()[0]
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ingest.devtools.scale",
-                "--rows",
-                str(n),
-                "--out",
-                str(out),
-                "--work-dir",
-                str(work),
-            ],
-            check=True,
-        )
+        cmd = [sys.executable, "-m", "ingest.devtools.scale", "--rows", str(n), "--out", str(out)]
+        subprocess.run([*cmd, "--work-dir", str(work), *(["--images"] if images else [])], check=True)
         entry = json.loads(out.read_text())
         entry.pop("samples")  # kept in scale-N.json
         entry["load_1m_before"] = round(load, 2)
@@ -280,10 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m ingest.devtools.scale", description="one size of the scale benchmark"
     )
     parser.add_argument("--rows", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--work-dir", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--work-dir")
+    parser.add_argument("--images", action="store_true", help="geo3k-shaped image rows, not text")
+    parser.add_argument("--write-images", metavar="DIR", help="only write the image rows of --rows into DIR")
     args = parser.parse_args(argv)
-    result = measure(args.rows, Path(args.work_dir))
+    if args.write_images:
+        write_images(Path(args.write_images), args.rows)
+        return 0
+    if not (args.out and args.work_dir):
+        parser.error("--out and --work-dir are required to measure")
+    result = measure(args.rows, Path(args.work_dir), images=args.images)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
