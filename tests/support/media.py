@@ -6,19 +6,45 @@ import numpy as np
 import pytest
 
 
-def write_media_rows(path, rows: list[tuple[str, list]], column: str = "images") -> str:
-    """Parquet of (user prompt, media) rows, the media in ``column``, ``extra_info.index`` numbering them."""
+def write_media_rows(
+    path,
+    rows: list[tuple[str, list]],
+    column: str = "images",
+    *,
+    first_index: int = 0,
+    row_group_size: int | None = None,
+) -> str:
+    """Parquet of (user prompt, media) rows, the media in ``column``, ``extra_info.index`` numbering them from
+    ``first_index`` (so rows spread over several files keep one numbering), ``row_group_size`` rows per row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist(
         [
-            {"prompt": [{"role": "user", "content": text}], column: media, "extra_info": {"index": i}}
+            {"prompt": [{"role": "user", "content": text}], column: media, "extra_info": {"index": first_index + i}}
             for i, (text, media) in enumerate(rows)
         ]
     )
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_size)
     return str(path)
+
+
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG whose header (valid signature, IHDR, CRCs) claims ``width`` x ``height`` RGB but whose image data are a
+    few bytes: a reader that trusts the header would plan (or allocate) the whole image before finding out."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def sample_rgbs() -> list[np.ndarray]:
