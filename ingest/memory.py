@@ -49,6 +49,18 @@ def keep_freed_heap(trim_bytes: int = 512 << 20) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
+def return_freed_heap() -> bool:
+    """Give the free pages of glibc's heap back to the kernel now (``malloc_trim``): for a process that has just
+    dropped something large it will not rebuild, made of allocations too small for glibc to unmap on free (a
+    tokenizer's vocabulary). False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 # references to a free kept buffer during ``ReusedBuffers.take``'s check: the list's and ``getrefcount``'s argument
 _POOL_REFS = 2
 

@@ -30,6 +30,7 @@ from ingest.config import DataConfig
 from ingest.datasets.local import DriverUnits, driver_can_start
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.rl import build_dataset
+from ingest.memory import return_freed_heap
 from ingest.read.units import ReadUnit
 from ingest.rowformat.collate import VerlCollate
 
@@ -163,6 +164,8 @@ class PromptStream:
                     rows += block.num_rows
                     yield block
                 local += 1
+            del driver  # its tokenizer (~100 MiB) is not needed again this epoch: the actors make the rest
+            return_freed_heap()
         if units[local:]:
             ds = build_dataset(
                 plan.files,

@@ -93,6 +93,32 @@ def test_actor_processes_keep_freed_heap_for_the_next_block():
     assert mapped_mb == 0 and free_in_heap_mb >= 160, out.stdout
 
 
+_RETURN_HEAP_PROBE = """
+import gc
+from ingest.memory import keep_freed_heap, return_freed_heap
+def rss_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) >> 10
+keep_freed_heap()  # as in an actor: without a trim, freed heap stays in the process
+held = [bytes(1000) + bytes([i % 256]) for i in range(200_000)]  # 200 MB of allocations glibc serves from the heap
+before = rss_mb()
+del held
+gc.collect()
+kept = rss_mb()
+assert return_freed_heap()
+print(before, kept, rss_mb())
+"""
+
+
+def test_freed_heap_goes_back_to_the_kernel_when_asked():
+    """What a stream does once the driver's first-batch tokenizer is gone: the heap pages it freed leave the process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RETURN_HEAP_PROBE], capture_output=True, text=True, check=True)
+    before, kept, after = (int(v) for v in out.stdout.split())
+    assert kept > before - 50 and after < kept - 150, out.stdout
+
+
 def test_block_buffers_are_reused_once_the_block_is_gone(model_dir):
     """The decode stage's packed pixels and the vision stage's uint8 patches reuse the last block's buffer once that
     block is dropped (Ray has stored it), and never overwrite a block that is still held."""
