@@ -271,6 +271,66 @@ def test_bad_media_is_quarantined_and_counted(ray_session, model_dir, tmp_path):
     assert '"content": "<image>corrupt"' in records[0]["original"]
 
 
+def _truncated_through_media_file(path):
+    """Image rows over a 160-token limit: one with a long text after the image (right truncation cuts text only), one
+    whose image alone is over the limit (any truncation cuts its image tokens), one under the limit."""
+    from PIL import Image
+
+    def jpeg(width: int, height: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((height, width, 3), 90, dtype=np.uint8)).save(buffer, format="JPEG")
+        return buffer.getvalue()
+
+    small, large = {"bytes": jpeg(56, 56), "path": None}, {"bytes": jpeg(448, 448), "path": None}  # 4 and 256 tokens
+    rows = [
+        ("<image>" + " and then some more words" * 40, [small]),
+        ("<image>what is this?", [large]),
+        ("<image>fine", [small]),
+    ]
+    import json
+
+    from ingest.devtools.samples import HF_IMAGE_FEATURES
+
+    table = pq.read_table(write_media_rows(path, rows))
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = table.set_column(1, "images", table.column("images").cast(pa.list_(image)))
+    features = {"prompt": HF_IMAGE_FEATURES["prompt"], "images": HF_IMAGE_FEATURES["images"]}
+    features["extra_info"] = {"index": {"dtype": "int64", "_type": "Value"}}
+    # HF datasets' Image() feature: verl (the oracle) then loads PIL images from the structs
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}), path)
+    return str(path)
+
+
+TRUNCATING = {"shuffle": False, "filter_overlong_prompts": False, "max_prompt_length": 160, "truncation": "right"}
+
+
+def test_truncation_that_cuts_image_tokens_is_a_bad_row(ray_session, model_dir, tmp_path):
+    """verl truncates a prompt through its image tokens and then fails in its rope index; here that row is quarantined
+    (or raised) with its reason, and a row whose truncation cuts only text is kept with every image token."""
+    path = _truncated_through_media_file(tmp_path / "cut.parquet")
+    ledger = RunLedger.remote()
+    batches = collect(build_dataset(path, model_dir, TRUNCATING, processor=model_dir, ledger=ledger))
+    assert [int(i) for b in batches for i in b["index"]] == [0, 2]
+    from ingest.tokenizer.chat import ChatTokenizer
+
+    image_pad = ChatTokenizer(model_dir).token_id("<|image_pad|>")
+    first = batches[0]
+    assert int(first["attention_mask"][0].sum()) == 160  # truncated to the limit, every image token kept
+    tokens = int(first["multi_modal_inputs"][0]["image_grid_thw"].prod()) // 4
+    assert tokens == 4 and int((first["input_ids"][0] == image_pad).sum()) == tokens
+    counts = ray.get(ledger.get.remote())
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (3, 2, 1)
+    [record] = ray.get(ledger.quarantine.remote())
+    assert (record["file"], record["row"], record["column"]) == (path, 1, "images")
+    assert record["reason"].startswith("truncation='right' to max_prompt_length=160 cuts into the image / video tokens")
+    with pytest.raises(BadRowError) as info:
+        collect(build_dataset(path, model_dir, {**TRUNCATING, "on_bad_row": "raise"}, processor=model_dir))
+    assert (find_ingest_error(info.value).file, find_ingest_error(info.value).row) == (path, 1)
+    if oracle_available():  # what verl 0.5.0 does with the same rows: the row cut through its image fails its loader
+        verl = run_verl("rows", [path], model_dir, None, configs=[TRUNCATING], batch_size=4, processor=model_dir)
+        assert "RuntimeError: shape mismatch" in verl["runs"][0]["error"]
+
+
 def test_raw_bytes_column_decodes_like_pil(ray_session, model_dir, tmp_path):
     """Raw bytes (no HF struct) crash verl 0.5.0; here they give the PIL image verl gets from an Image() feature."""
     from PIL import Image

@@ -185,11 +185,21 @@ class PromptTokenizeStage:
                 extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i] + video_grids[i])
             expanded_lengths[i] = len(row_ids) + extra
 
+        max_len = cfg.max_prompt_length
+        if self.vision is not None and not cfg.filter_overlong_prompts and cfg.truncation != "error":
+            for i in np.flatnonzero(expanded_lengths > max_len).tolist():
+                if self._truncation_cuts_media(ids[i], grids[i], video_grids[i]):
+                    column = cfg.image_key if grids[i] else cfg.video_key
+                    reason = (
+                        f"truncation={cfg.truncation!r} to max_prompt_length={max_len} cuts into the image / video "
+                        f"tokens of a {expanded_lengths[i]}-token prompt: its ids would not match its pixels "
+                        "(raise max_prompt_length or set data.filter_overlong_prompts=true)"
+                    )
+                    bad[i] = self._error(table, i, reason, column)
         if bad and cfg.on_bad_row == "raise":
             raise bad[min(bad)]
         valid = np.ones(n, dtype=bool)
         valid[list(bad)] = False
-        max_len = cfg.max_prompt_length
         overlong = valid & (expanded_lengths > max_len)
         keep = valid & ~overlong if cfg.filter_overlong_prompts else valid
         if cfg.truncation == "error":
@@ -237,6 +247,15 @@ class PromptTokenizeStage:
 
     def _media_column(self, table: pa.Table, name: str) -> list | None:
         return table.column(name).to_pylist() if self.vision and name in table.column_names else None
+
+    def _truncation_cuts_media(self, row_ids: list[int], image_grids: list, video_grids: list) -> bool:
+        """Whether truncating this (overlong) prompt removes any of its media tokens: the vision start marker or a
+        pad token of an image or video. verl truncates such a prompt all the same and then fails in its rope index
+        (or, with only a start marker cut, pairs ids and pixels wrongly); here the row is a bad row."""
+        media = {self.image_pad_id, self.video_pad_id, self.vision_start_id}
+        full = self._expand(row_ids, image_grids, video_grids)
+        kept = truncate(full, self.config.max_prompt_length, self.config.truncation)
+        return sum(t in media for t in kept) != sum(t in media for t in full)
 
     def _expand(self, row_ids: list[int], image_grids: list, video_grids: list) -> list[int]:
         """Each image / video pad token repeated as many times as its grid asks (the processor's expansion)."""
