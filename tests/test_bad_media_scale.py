@@ -1,4 +1,4 @@
-"""Bad media at scale (issue 31 item 5): ~1% corrupt / truncated / zero-size / huge-header images and videos, spread
+"""Bad media at scale: ~1% corrupt / truncated / zero-size / huge-header images and videos, spread
 over several files and row groups of a 1,224-row dataset, through ``run_pipeline`` on the session's real local Ray.
 
 Checked against a reference built with the data: every bad row is quarantined once, with its file, row, column and
