@@ -1,4 +1,4 @@
-"""Feeding trainers and rollout workers (issue 4, items 1-2): object refs, streaming splits, DataProto, devices."""
+"""Feeding trainers and rollout workers: object refs, streaming splits, DataProto, devices."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Ray Data SFT mode (``build_sft_dataset``, issue 7): rows equal ``build_training_sample`` + ``shift_and_truncate``
+"""The Ray Data SFT mode (``build_sft_dataset``): rows equal ``build_training_sample`` + ``shift_and_truncate``
 called directly and transformers' ``apply_chat_template``; loss masks; prompt + completion input; images through the
 vision pool; truncation at placeholder runs; packing; quarantine / strict; ledger counts; ``SFTCollate``. Real local
 Ray (the session fixture), small data."""
