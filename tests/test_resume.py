@@ -122,12 +122,13 @@ with open(out, "wb") as f:
 """
 
 
-@pytest.mark.parametrize("row_format,media", [("verl-0.5", False), ("verl-0.9", True)])
+@pytest.mark.parametrize("row_format,media", [("verl-0.5", False), ("verl-0.5", True), ("verl-0.9", True)])
 def test_first_batch_is_made_in_the_driver_before_ray_starts(
     variety_files, geo3k_files, model_dir, tmp_path, row_format, media
 ):
     """A new process: the stream's first batch comes before any Ray cluster exists (the driver ran the read and the
-    stages), and the epoch's batches equal ``build_dataset``'s, key for key (text rows; verl 0.9 image rows)."""
+    stages), and the epoch's batches equal ``build_dataset``'s, key for key (text rows; image rows through the vision
+    stage; verl 0.9 image rows)."""
     import os
     import pickle
 

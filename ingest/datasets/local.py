@@ -4,12 +4,14 @@ in this process, so the first batch needs no Ray cluster, worker process or acto
 On a new cluster those cost seconds (Ray's start, Ray Data's cluster actors, a worker importing the stages and
 loading the tokenizer) before the first unit is even read; a driver that already imported the stages makes one batch
 in a fraction of that. ``PromptStream`` takes the first batch from here and the rest from ``build_dataset`` over the
-units after these. Only where the stages are light: text rows, and verl 0.9 rows (their images are decoded, never
-processed); rows with a vision stage come from the actors.
+units after these. Media rows run every media stage here on the CPU, as the one-pool layout's tokenizer actors do
+(the first read unit is small: ``read_first_unit_rows``); not where the vision stage runs on GPU actors, whose
+kernels differ from the CPU's by rounding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -21,12 +23,15 @@ from ingest.read.units import ReadUnit
 
 
 def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) -> bool:
-    """Whether the driver makes the first batch: text rows, or verl 0.9 rows (no vision stage)."""
-    return processor is None or config.row_format == "verl-0.9"
+    """Whether the driver makes the first batch: text rows, verl 0.9 rows (no vision stage), and media rows whose
+    vision stage runs on the CPU."""
+    if processor is None or config.row_format == "verl-0.9":
+        return True
+    return config.vision_num_gpus == 0 and config.vision_device in ("auto", "cpu")
 
 
 class DriverUnits:
-    """Reads and runs single read units in this process, blocks exactly as the tokenizer (+ decode) actors give
+    """Reads and runs single read units in this process, blocks exactly as the tokenizer (+ media) actors give
     them; counts and quarantine go to ``context.ledger`` as from the actors."""
 
     def __init__(
@@ -43,11 +48,13 @@ class DriverUnits:
         from ingest.stages.prompt import prompt_stage
 
         if not driver_can_start(config, processor):
-            raise ValueError("the driver makes text and verl 0.9 rows only (other media rows need the vision stage)")
+            raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
         self.stage = prompt_stage(config, context, tokenizer, processor)
-        # verl 0.9 rows: the decode pool's stage (their images decoded, counted as there); none for text rows
-        self.media = media_stages(config, context, processor, "decode")
+        # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto" on a
+        # CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
+        one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
+        self.media = media_stages(one_pool, context, processor, "tokenizer")
 
     def __call__(self, unit: ReadUnit) -> Iterator[pa.Table]:
         from ingest.stats import stage_unit

@@ -55,19 +55,10 @@ def geo3k_files(work_dir: Path, rows: int) -> list[str]:
 
 
 def run_ours(files: list[str], tokenizer: str, config: dict | None = None, processor: str | None = None) -> dict:
-    import torch  # noqa: F401  (a trainer has torch loaded; verl's side imports it before its clock too)
+    """Ours in this process (``devtools/cold.py``'s ``run_loader`` through ``iter_torch_batches``)."""
+    from ingest.devtools.cold import run_loader
 
-    from ingest import VerlCollate, build_dataset
-
-    started = time.perf_counter()
-    ds = build_dataset(files, tokenizer, {**BENCH_CONFIG, **(config or {})}, processor=processor)
-    first, rows = None, 0
-    for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=VerlCollate()):
-        if first is None:
-            first = time.perf_counter() - started
-        rows += len(batch["input_ids"])
-    seconds = time.perf_counter() - started
-    return {"rows": rows, "seconds": seconds, "time_to_first_batch_s": first, "rows_per_s": rows / seconds}
+    return run_loader(files, tokenizer, config or {}, processor, "iter_torch_batches")
 
 
 def _start_ray(preload_modules: tuple[str, ...] = ()) -> dict:
@@ -180,6 +171,8 @@ def _compare(
 
     _settle()
     entry["ours_cold"] = run_cold(files, model, config, processor)
+    _settle()  # the same through the loader verl's trainer iterates: its first batch made in the driver
+    entry["ours_cold_verl_loader"] = run_cold(files, model, config, processor, loader="VerlDataLoader")
     if processor is None:  # the bare ceiling on the same rows: render + batch encode on every core, no Ray
         from ingest.devtools.scaling import _ceiling
 
@@ -198,6 +191,7 @@ def _compare(
             assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {ours_key} {ours['rows']}"
             entry[ratio_key] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
         entry["ratio_cold"] = round(entry["ours_cold"]["rows_per_s"] / verl["rows_per_s"], 2)
+        entry["ratio_cold_verl_loader"] = round(entry["ours_cold_verl_loader"]["rows_per_s"] / verl["rows_per_s"], 2)
     return entry
 
 

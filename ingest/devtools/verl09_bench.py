@@ -81,32 +81,9 @@ def run_ours_cold(files: list[str], model: str, config: dict, processor: str | N
     """In this (new) process, the clock from the first call to the last batch. ``loader``: ``VerlDataLoader`` (what
     verl's trainer iterates: its first batch is made in the driver) or ``iter_torch_batches`` (``build_dataset`` +
     Ray Data's iterator: every batch from the actors)."""
-    import torch  # noqa: F401  (a trainer has torch loaded)
+    from ingest.devtools.cold import run_loader
 
-    from ingest import VerlCollate, build_dataset
-    from ingest.verl import VerlDataLoader
-
-    config = {**config, "row_format": ROW_FORMAT}
-    collate = VerlCollate(row_format=ROW_FORMAT)
-    started = time.perf_counter()
-    if loader == "VerlDataLoader":
-        batches = VerlDataLoader(files, model, config, BATCH_SIZE, processor, drop_last=False, collate_fn=collate)
-    else:
-        ds = build_dataset(files, model, config, processor=processor)
-        batches = ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=collate)
-    marks, rows = [], 0
-    for batch in batches:
-        if len(marks) < 2:
-            marks.append(time.perf_counter() - started)
-        rows += len(batch["dummy_tensor"])
-    seconds = time.perf_counter() - started
-    return {
-        "rows": rows,
-        "seconds": seconds,
-        "time_to_first_batch_s": marks[0],
-        "time_to_second_batch_s": marks[-1],
-        "rows_per_s": rows / seconds,
-    }
+    return run_loader(files, model, {**config, "row_format": ROW_FORMAT}, processor, loader)
 
 
 def _ours(files: list[str], model: str, config: dict, processor: str | None, work: Path, loader: str) -> dict:
