@@ -14,7 +14,7 @@ import yaml
 from ingest import build_dataset
 from ingest.config import DataConfig
 from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout
-from tests.support.cluster import ROOT, cluster_env, free_port, start_head, stop_cluster
+from tests.support.cluster import ROOT, cluster_env, free_port, ingest_run_on, start_head, stop_cluster
 
 # joins the cluster at RAY_ADDRESS; per config: the pipeline's operators and the run's summary
 RUN_CONFIGS = """
@@ -88,14 +88,9 @@ def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(geo3k_
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump({"data": {"shuffle": False}}))
         summary_path = tmp_path / "summary.json"
-        cli = subprocess.run(
-            [sys.executable, "-m", "ingest", "run", str(config), "--files", *geo3k_files, "--tokenizer", model_dir,
-             "--processor", model_dir, "--summary-json", str(summary_path)],
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
+        cli = ingest_run_on(
+            port, env, str(config), "--files", *geo3k_files, "--tokenizer", model_dir, "--processor", model_dir,
+            "--summary-json", str(summary_path),
         )  # fmt: skip
         assert cli.returncode == 0, cli.stderr[-3000:]
         logged = [line for line in cli.stderr.splitlines() if "media layout:" in line]

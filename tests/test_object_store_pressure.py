@@ -14,15 +14,13 @@ import io
 import json
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from tests.support.cluster import ROOT, cluster_env, free_port, start_head, stop_cluster
+from tests.support.cluster import cluster_env, free_port, ingest_run_on, start_head, stop_cluster
 
 ROWS = int(os.environ.get("INGEST_PRESSURE_ROWS", "240"))
 STORE_BYTES = 200_000_000
@@ -78,14 +76,9 @@ def test_small_object_store_spills_reports_it_and_loses_nothing(model_dir, tmp_p
         }
         config.write_text(yaml.safe_dump({"data": data}))
         summary_path, output = tmp_path / "summary.json", tmp_path / "out"
-        cli = subprocess.run(
-            [sys.executable, "-m", "ingest", "run", str(config), "--files", *files, "--tokenizer", model_dir,
-             "--processor", model_dir, "--output", str(output), "--summary-json", str(summary_path)],
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=1800,
+        cli = ingest_run_on(
+            port, env, str(config), "--files", *files, "--tokenizer", model_dir, "--processor", model_dir,
+            "--output", str(output), "--summary-json", str(summary_path), timeout=1800,
         )  # fmt: skip
         assert cli.returncode == 0, cli.stderr[-3000:]
     finally:

@@ -52,6 +52,18 @@ def start_head(port: int, env: dict, *args: str) -> None:
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=120)
 
 
+def ingest_run_on(port: int, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m ingest run ARGS`` joining the cluster at ``port``, as a user's run would; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "ingest", "run", *args],
+        env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def stop_cluster(port: int, timeout: float = 20) -> None:
     """Stop every process whose command line names the GCS at ``port`` (this cluster's, nobody else's)."""
     marker = f":{port}"
