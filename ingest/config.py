@@ -121,6 +121,13 @@ class DataConfig:
     # verl 0.9: qwen-vl-utils' resize factor (2 x this) before the processor's, in the overlong filter's image lengths;
     # None: the processor's patch size (verl's code default; its legacy yaml sets 14)
     image_patch_size: int | None = None
+    # verl 0.6 and later: a verl tool config (YAML); its tools' schemas go to the chat template where the overlong
+    # filter measures a prompt, and only there (the rows are rendered without them, as in verl). Read once, here, on
+    # the driver, into tool_schemas (rowformat/tools.py); verl-0.5 rows ignore it, as verl 0.5.0 does
+    tool_config_path: str | None = None
+    tool_schemas: list | None = None
+    # verl 0.9: Python function tools; their schemas come from importing that code, which this pipeline does not do
+    function_tool_path: str | None = None
 
     # --- sampler keys verl reads in create_rl_sampler (same defaults) ---
     shuffle: bool = True
@@ -221,6 +228,15 @@ class DataConfig:
                 "row_format verl-0.9 rows carry images and video sources, not model inputs: there is no vision stage "
                 "to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
             )
+        if self.function_tool_path and self.row_format == "verl-0.9":
+            raise ValueError(
+                "data.function_tool_path: the schemas of Python function tools come from importing them, which this "
+                "pipeline does not do; write their schemas in a tool_config_path file (config.type: native)"
+            )
+        if self.tool_config_path and self.tool_schemas is None and self.row_format != "verl-0.5":
+            from ingest.rowformat.tools import tool_schemas
+
+            self.tool_schemas = tool_schemas(self.tool_config_path)
         self.max_prompt_length = int(self.max_prompt_length)
         self.storage_options = dict(self.storage_options or {})
         self.apply_chat_template_kwargs = dict(self.apply_chat_template_kwargs or {})

@@ -60,8 +60,8 @@ class RawPromptStage(PromptTokenizeStage):
             try:
                 messages, decode = raw_prompt_messages(messages, row_images, row_videos)
                 messages_out[i] = messages
-                if measure:
-                    texts[i] = self.tokenizer.render(messages, **self.template_kwargs)
+                if measure:  # with the tool schemas, as verl's filter renders it
+                    texts[i] = self.tokenizer.render(messages, **self.filter_template_kwargs)
             except Exception as exc:
                 bad[i] = self._error(table, i, f"chat messages failed: {type(exc).__name__}: {exc}")
                 continue

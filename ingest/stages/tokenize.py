@@ -64,6 +64,12 @@ class PromptTokenizeStage:
         self._secrets = secret_values(config.storage_options)  # kept out of quarantine reasons and errors
         # verl 0.6 and later pass these to apply_chat_template; 0.5.0 does not read them
         self.template_kwargs = config.apply_chat_template_kwargs if config.row_format != "verl-0.5" else {}
+        # verl 0.6 and later: the tools' schemas, given to the template where the overlong filter measures a prompt
+        self.filter_tools = config.tool_schemas if config.row_format != "verl-0.5" else None
+        self.filter_template_kwargs = {
+            **self.template_kwargs,
+            **({"tools": self.filter_tools} if self.filter_tools else {}),
+        }
         if tokenizer.pad_token_id is None:
             raise BadRowError(f"tokenizer {tokenizer.path!r} has neither a pad nor an eos token")
         if vision is not None:
@@ -201,7 +207,11 @@ class PromptTokenizeStage:
         valid = np.ones(n, dtype=bool)
         valid[list(bad)] = False
         overlong = valid & (expanded_lengths > max_len)
-        keep = valid & ~overlong if cfg.filter_overlong_prompts else valid
+        if cfg.filter_overlong_prompts:  # verl's filter measures the prompt with the tool schemas, if any
+            measured = expanded_lengths + self._tool_tokens(messages_out, ids, valid)
+            keep = valid & (measured <= max_len)
+        else:
+            keep = valid
         if cfg.truncation == "error":
             over = np.flatnonzero(keep & overlong)
             if over.size:
@@ -247,6 +257,18 @@ class PromptTokenizeStage:
 
     def _media_column(self, table: pa.Table, name: str) -> list | None:
         return table.column(name).to_pylist() if self.vision and name in table.column_names else None
+
+    def _tool_tokens(self, messages: list, ids: list[list[int]], valid: np.ndarray) -> np.ndarray:
+        """What the tool schemas (``tool_config_path``) add to each valid prompt where verl's filter measures it: the
+        prompt rendered with ``tools=`` and encoded, less its ids without them. Zeros without tools."""
+        extra = np.zeros(len(ids), dtype=np.int64)
+        if not self.filter_tools:
+            return extra
+        rows = np.flatnonzero(valid).tolist()
+        texts = [self.tokenizer.render(messages[i], **self.filter_template_kwargs) for i in rows]
+        for i, with_tools in zip(rows, self.tokenizer.encode_batch(texts), strict=True):
+            extra[i] = len(with_tools) - len(ids[i])
+        return extra
 
     def _truncation_cuts_media(self, row_ids: list[int], image_grids: list, video_grids: list) -> bool:
         """Whether truncating this (overlong) prompt removes any of its media tokens: the vision start marker or a
