@@ -37,8 +37,8 @@ from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.rl import build_dataset
+from ingest.read.units import UnitIndex
 from ingest.rowformat.collate import VerlCollate
-from ingest.stream import _UnitIndex
 
 SHARD_STATE_VERSION = 1
 
@@ -269,7 +269,7 @@ class PromptShard:
     def __iter__(self) -> Iterator[dict]:
         plan = self._plan()
         if self._queue:
-            yield from self._batched(self._blocks(plan), _UnitIndex(plan.units))
+            yield from self._batched(self._blocks(plan), UnitIndex(plan.units))
         self.set_epoch(self.epoch + 1)
 
     def _blocks(self, plan: InputPlan) -> Iterator[pa.Table]:
@@ -286,17 +286,14 @@ class PromptShard:
         )
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
-    def _batched(self, blocks: Iterator[pa.Table], unit_of: _UnitIndex) -> Iterator[dict]:
+    def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         # rows of a partly read unit come again in the same order (seeded), so its first ``skip`` are the ones
         # handed out before; a merged queue may hold several such units
         skip_left = {u: skip for u, skip in self._queue if skip}
         pending: list[tuple[pa.Table, np.ndarray]] = []
         pending_rows = 0
         for block in blocks:
-            files, rows = block.column(FILE_COLUMN).to_numpy(), block.column(ROW_COLUMN).to_numpy()
-            units = np.fromiter(
-                (unit_of(int(f), int(r)) for f, r in zip(files, rows, strict=True)), np.int64, block.num_rows
-            )
+            units = unit_of.of_block(block)
             if skip_left:
                 keep = np.ones(block.num_rows, dtype=bool)
                 for u in [u for u in skip_left if u in units]:

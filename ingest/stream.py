@@ -15,14 +15,12 @@ into a stream over other data.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from ingest.blocks import FILE_COLUMN, ROW_COLUMN
@@ -31,25 +29,10 @@ from ingest.datasets.local import DriverUnits, driver_can_start
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.rl import build_dataset
 from ingest.memory import return_freed_heap
-from ingest.read.units import ReadUnit
+from ingest.read.units import UnitIndex
 from ingest.rowformat.collate import VerlCollate
 
 STATE_VERSION = 1
-
-
-class _UnitIndex:
-    """(file index, row in file) -> position of the row's read unit in the epoch's unit order."""
-
-    def __init__(self, units: list[ReadUnit]):
-        by_file: dict[int, list[tuple[int, int]]] = {}
-        for order, unit in enumerate(units):
-            by_file.setdefault(unit.file_index, []).append((unit.first_row + unit.slice_start, order))
-        self._starts = {f: [s for s, _ in sorted(v)] for f, v in by_file.items()}
-        self._orders = {f: [o for _, o in sorted(v)] for f, v in by_file.items()}
-
-    def __call__(self, file_index: int, row: int) -> int:
-        k = bisect.bisect_right(self._starts[file_index], row) - 1
-        return self._orders[file_index][k]
 
 
 class PromptStream:
@@ -143,7 +126,7 @@ class PromptStream:
 
     def __iter__(self) -> Iterator[dict]:
         plan = self._plan()
-        unit_of = _UnitIndex(plan.units)
+        unit_of = UnitIndex(plan.units)
         if plan.units[self._unit :]:
             yield from self._batched(self._blocks(plan), unit_of)
         self.set_epoch(self.epoch + 1)
@@ -179,7 +162,7 @@ class PromptStream:
             )
             yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
-    def _batched(self, blocks: Iterator[pa.Table], unit_of: _UnitIndex) -> Iterator[dict]:
+    def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart
         pending: list[pa.Table] = []
         pending_rows = 0
@@ -199,10 +182,8 @@ class PromptStream:
         if pending_rows and not self.drop_last:
             yield self._emit(pa.concat_tables(pending), unit_of)
 
-    def _emit(self, table: pa.Table, unit_of: _UnitIndex) -> dict:
-        files = table.column(FILE_COLUMN).to_numpy()
-        rows = table.column(ROW_COLUMN).to_numpy()
-        units = np.fromiter((unit_of(int(f), int(r)) for f, r in zip(files, rows, strict=True)), np.int64, len(rows))
+    def _emit(self, table: pa.Table, unit_of: UnitIndex) -> dict:
+        units = unit_of.of_block(table)
         last = int(units[-1])
         in_last = int((units == last).sum())
         # state first: a generator resumes after ``yield`` only when the next batch is asked for

@@ -12,7 +12,7 @@ import pytest
 from ingest import PromptShard, PromptStream, merge_shard_states, reshard_states, split_shard_state
 from ingest.config import DataConfig
 from ingest.datasets.plan import plan_input
-from ingest.stream import _UnitIndex
+from ingest.read.units import UnitIndex
 
 CONFIG = {"truncation": "left", "shuffle": True, "seed": 11, "read_rows_per_task": 30}
 BATCH = 8
@@ -22,7 +22,7 @@ BATCH = 8
 def reference(ray_session, variety_files, model_dir):
     """One uninterrupted epoch's rows (``index``, in order) and each row's place in the epoch's unit order."""
     order = [int(i) for batch in PromptStream(variety_files, model_dir, CONFIG, BATCH) for i in batch["index"]]
-    unit_of = _UnitIndex(plan_input(variety_files, DataConfig.from_any(CONFIG)).units)
+    unit_of = UnitIndex(plan_input(variety_files, DataConfig.from_any(CONFIG)).units)
     unit = {}
     for f, path in enumerate(variety_files):
         indices = pq.read_table(path, columns=["extra_info"]).column("extra_info").combine_chunks().field("index")

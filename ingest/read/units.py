@@ -13,6 +13,7 @@ Every row carries its provenance: ``_ingest_file`` (index into the file list) an
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import random
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,26 @@ class ReadUnit:
     @property
     def num_rows(self) -> int:
         return self.slice_stop - self.slice_start
+
+
+class UnitIndex:
+    """(file index, row in file) -> position of the row's read unit in the epoch's unit order."""
+
+    def __init__(self, units: list[ReadUnit]):
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for order, unit in enumerate(units):
+            by_file.setdefault(unit.file_index, []).append((unit.first_row + unit.slice_start, order))
+        self._starts = {f: [s for s, _ in sorted(v)] for f, v in by_file.items()}
+        self._orders = {f: [o for _, o in sorted(v)] for f, v in by_file.items()}
+
+    def __call__(self, file_index: int, row: int) -> int:
+        k = bisect.bisect_right(self._starts[file_index], row) - 1
+        return self._orders[file_index][k]
+
+    def of_block(self, table: pa.Table) -> np.ndarray:
+        """The unit position of every row of a block that carries the provenance columns."""
+        files, rows = table.column(FILE_COLUMN).to_numpy(), table.column(ROW_COLUMN).to_numpy()
+        return np.fromiter((self(int(f), int(r)) for f, r in zip(files, rows, strict=True)), np.int64, len(rows))
 
 
 def plan_units(infos: Sequence[FileInfo], rows_per_task: int) -> list[ReadUnit]:
