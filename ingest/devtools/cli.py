@@ -28,6 +28,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text_rows, image_rows = ((args.rows or []) + [200_000, 2_000][len(args.rows or []) :])[:2]
         print(json.dumps(bench_scaling(text_rows, image_rows, counts=args.actors, work_dir=args.work_dir), indent=2))
         return 0
+    if args.kind == "profile":  # a text row's CPU time per stage, one process, no Ray (--rows: default 200000)
+        from ingest.devtools.profile import bench_profile
+
+        print(json.dumps(bench_profile(rows=(args.rows or [200_000])[0], work_dir=args.work_dir), indent=2))
+        return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9, cold (--rows: text rows, image rows)
         from ingest.devtools.verl09_bench import bench_verl09
 
@@ -73,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ingest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09", "scaling"])
+    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09", "scaling", "profile"])
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
