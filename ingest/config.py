@@ -123,7 +123,7 @@ class DataConfig:
     image_patch_size: int | None = None
     # verl 0.6 and later: a verl tool config (YAML); its tools' schemas go to the chat template where the overlong
     # filter measures a prompt, and only there (the rows are rendered without them, as in verl). Read once, here, on
-    # the driver, into tool_schemas (rowformat/tools.py); verl-0.5 rows ignore it, as verl 0.5.0 does
+    # the driver, into tool_schemas (ingest/tool_schemas.py); verl-0.5 rows ignore it, as verl 0.5.0 does
     tool_config_path: str | None = None
     tool_schemas: list | None = None
     # verl 0.9: Python function tools; their schemas come from importing that code, which this pipeline does not do
@@ -234,7 +234,7 @@ class DataConfig:
                 "pipeline does not do; write their schemas in a tool_config_path file (config.type: native)"
             )
         if self.tool_config_path and self.tool_schemas is None and self.row_format != "verl-0.5":
-            from ingest.rowformat.tools import tool_schemas
+            from ingest.tool_schemas import tool_schemas
 
             self.tool_schemas = tool_schemas(self.tool_config_path)
         self.max_prompt_length = int(self.max_prompt_length)

@@ -11,8 +11,8 @@ import yaml
 from ingest.config import DataConfig
 from ingest.demo import write_gsm8k_parquet
 from ingest.devtools.oracle import oracle_available
-from ingest.rowformat.tools import tool_schemas
 from ingest.tokenizer.chat import ChatTokenizer
+from ingest.tool_schemas import tool_schemas
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.templates import QWEN25_TEMPLATE, template_dir
