@@ -43,7 +43,8 @@ class PromptStream:
     (position 0), so ``for epoch in ...: for batch in stream: ...`` walks epochs. ``drop_last`` drops a final short
     batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
     ``driver_first_batch``: the rows of each (re)started epoch's first batch are made in this process, the rest by
-    the actors (``datasets.local``; text and verl 0.9 rows): the first batch does not wait for Ray to start.
+    the actors (``datasets.local``; not where the vision stage runs on GPU actors): the first batch does not wait
+    for Ray to start.
     """
 
     def __init__(
