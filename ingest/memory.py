@@ -34,17 +34,24 @@ def use_arrow_memory_pool(name: str = DEFAULT_ARROW_MEMORY_POOL) -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
+def _glibc_function(name: str):
+    """A function of the C library this process runs on, where that is glibc; None elsewhere."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_heap(trim_bytes: int = 512 << 20) -> bool:
     """glibc malloc in this process: allocations up to 32 MB (its largest mmap threshold) from the heap, and up to
     ``trim_bytes`` of freed heap kept rather than returned to the kernel. By default glibc returns the top of the heap
     once more than twice its (adaptive) mmap threshold is free: a stage that frees a block's decoded images after
     packing them then touches fresh pages again for the next block, and first touches are dear (docs/design.md).
     False where the C library is not glibc (nothing changed)."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
@@ -53,12 +60,8 @@ def return_freed_heap() -> bool:
     """Give the free pages of glibc's heap back to the kernel now (``malloc_trim``): for a process that has just
     dropped something large it will not rebuild, made of allocations too small for glibc to unmap on free (a
     tokenizer's vocabulary). False where the C library is not glibc."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = _glibc_function("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 # references to a free kept buffer during ``ReusedBuffers.take``'s check: the list's and ``getrefcount``'s argument

@@ -3,9 +3,9 @@
 Ray keeps these totals per raylet, cumulative since the cluster started, and any raylet answers for the whole cluster
 (``FormatGlobalMemoryInfo``, the request behind ``ray memory --stats-only`` and Ray Data's own spill line). Ray has no
 public call for them, so this module asks a raylet over gRPC with Ray's generated stubs (with the cluster's auth
-token, as Ray's own clients send it), and a run reports the
-difference of two readings: everything the cluster spilled meanwhile, other jobs included. A cluster that does not
-answer (another Ray, a refused token) gives None, and the summary says the figures are unknown.
+token, as Ray's own clients send it), and a run reports the difference of two readings: everything the cluster
+spilled meanwhile, other jobs included. A cluster that does not answer (another Ray, a refused token) gives None, and
+the summary says the figures are unknown.
 """
 
 from __future__ import annotations
