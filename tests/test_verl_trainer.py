@@ -1,6 +1,9 @@
-"""``ingest.verl``: the dataloader adapter inside verl's own ``RayPPOTrainer`` code, for verl 0.5.0, 0.6.1 and 0.9.1
-(each in its oracle environment, on CPU): ``_create_dataloader`` and its steps arithmetic, ``fit``'s lines on every
-batch up to the rollout hand-off, ``data.pt`` saved and loaded by verl's own lines, and an exact resume."""
+"""``ingest.verl``: the dataloader adapter inside verl's own trainer code, each release in its oracle environment, on
+CPU. ``RayPPOTrainer`` of verl 0.5.0, 0.6.1 and 0.9.1 (legacy): datasets from its ``TaskRunner``'s
+``create_rl_dataset`` with ``data.custom_cls`` = ``IngestDataset``, ``_create_dataloader`` and its steps arithmetic,
+``fit``'s lines on every batch up to the rollout hand-off. verl 0.9.1's v1 trainers: ``_init_dataloader``, each
+step's ``_add_batch_to_generate`` into a real TransferQueue. Both: ``data.pt`` saved and loaded by verl's own lines,
+and an exact resume."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import torch
 
 from ingest.demo import write_gsm8k_parquet
 from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.verl import VerlDataLoader
+from ingest.verl import IngestDataset, VerlDataLoader
+from ingest.verl.dataset import CUSTOM_CLS
 from ingest.verl.length import CACHE_FILE
 
 BATCH, EPOCHS, SAVE_AFTER = 8, 2, 5
@@ -44,6 +48,8 @@ def _data_config(train, val, row_format, cache_dir) -> dict:
         "validation_shuffle": False,
         "cache_dir": str(cache_dir),
         "row_format": row_format,
+        "custom_cls": dict(CUSTOM_CLS),  # verl's own create_rl_dataset builds IngestDataset, not RLHFDataset
+        "sampler": None,  # as verl's data config: no curriculum sampler
     }
 
 
@@ -68,6 +74,7 @@ def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir,
         "save_after": SAVE_AFTER,
     }
     result = run_verl("trainer", [], model_dir, None, row_format=row_format, timeout=900, **spec)
+    assert result["dataset_classes"] == ["IngestDataset", "IngestDataset"]
     steps_per_epoch = rows // BATCH
     assert result["len_train"] == steps_per_epoch and result["len_val"] == 1
     assert result["total_training_steps"] == steps_per_epoch * EPOCHS
@@ -87,6 +94,58 @@ def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir,
     assert len(result["before"]) == SAVE_AFTER
     assert [s["index"] for s in result["before"] + result["after"]] == [s["index"] for s in whole]
     assert "torch.save(dataloader_state_dict" in result["save_lines"]
+    assert "load_state_dict(dataloader_state_dict)" in result["load_lines"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp_path, mode):
+    """verl 0.9.1's default trainer (``trainer.use_v1``). ``sync`` fetches ``train_batch_size`` prompts per step;
+    the async modes make verl set ``gen_batch_size`` to 1 (one prompt per fetch) and persist each prompt's fields in
+    TransferQueue. Steps straddle epochs there as with verl's own loader (batches of one drop no row)."""
+    if not oracle_available("verl-0.9"):
+        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+    train, val = trainer_data
+    data = _data_config(train, val, "verl-0.9", tmp_path / "cache")
+    rows = IngestDataset(train, model_dir, None, data).num_rows
+    spec = {
+        "trainer_config": {
+            "data": data,
+            "trainer": {
+                "total_epochs": EPOCHS,
+                "total_training_steps": None,
+                "v1": {"trainer_mode": mode, "sampler": {}},
+            },
+            "algorithm": {"filter_groups": None},
+            "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}},
+            "critic": {"optim": {"lr": 1e-5}},
+        },
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+        "save_after": SAVE_AFTER,
+    }
+    result = run_verl("trainer_v1", [], model_dir, None, row_format="verl-0.9", timeout=900, **spec)
+    assert result["dataset_classes"] == ["IngestDataset", "IngestDataset"]
+    gen_batch = BATCH if mode == "sync" else 1
+    assert result["gen_batch_size"] == (None if mode == "sync" else 1)
+    steps_per_epoch = rows // BATCH
+    assert result["len_train_dataset"] == rows and result["len_train"] == rows // gen_batch
+    assert result["steps_per_epoch"] == steps_per_epoch
+    assert result["total_training_steps"] == result["optim_steps"] == steps_per_epoch * EPOCHS
+    assert result["val_batches"] == [20] and result["len_val"] == 1
+    whole = result["uninterrupted"]
+    assert len(whole) == steps_per_epoch * EPOCHS
+    for step in whole:
+        assert "raw_prompt" in step["keys"] and "uid" in step["keys"] and len(step["index"]) == BATCH
+        assert step["registered"]  # every prompt of the step is in TransferQueue, tagged with the step
+        assert step.get("stored_index", step["index"]) == step["index"]
+    indices = [i for step in whole for i in step["index"]]
+    epoch_rows = rows // gen_batch * gen_batch  # what one pass of the loader yields (drop_last)
+    first_epoch, second = indices[:epoch_rows], indices[epoch_rows:]
+    assert len(set(first_epoch)) == epoch_rows and len(set(second)) == len(second)  # no row twice in an epoch
+    assert first_epoch != second[: len(first_epoch)]
+    # data.pt by the v1 trainer's own save and load lines: the resumed trainer fetches exactly what was left
+    assert len(result["before"]) == SAVE_AFTER
+    assert [s["index"] for s in result["before"] + result["after"]] == [s["index"] for s in whole]
+    assert "torch.save(self.train_dataloader.state_dict()" in result["save_lines"]
     assert "load_state_dict(dataloader_state_dict)" in result["load_lines"]
 
 

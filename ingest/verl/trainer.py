@@ -1,72 +1,100 @@
-"""``ingest_trainer``: verl's ``RayPPOTrainer`` (0.5, 0.6, 0.9's legacy trainer) with ``VerlDataLoader``\\ s.
+"""``ingest_trainer``: a verl trainer class whose dataloaders are ``VerlDataLoader``\\ s.
 
-The subclass replaces only where the dataloaders come from. verl's own ``_create_dataloader`` still runs, over
+It replaces only where the dataloaders come from. verl's own dataloader code still runs, over ``IngestDataset``
 stand-ins with our loaders' exact lengths, so its checks and its step arithmetic (``total_training_steps`` into the
-actor and critic optimizer configs) are verl's code, not a copy; then the stand-ins give way to the loaders.
+actor and critic optimizer configs) are verl's code, not a copy; then the loaders take the place of verl's.
+
+- ``RayPPOTrainer`` (verl 0.5, 0.6, and 0.9's legacy trainer): its ``_create_dataloader`` gets the datasets verl's
+  ``TaskRunner`` built; ``IngestDataset``\\ s when ``data.custom_cls`` selects it, else stand-ins made here.
+- verl 0.9's v1 trainers (``PPOTrainer`` subclasses: ``sync``, ``colocate_async``, ``separate_async``): their
+  ``_init_dataloader`` builds the datasets itself, through ``data.custom_cls``, which is pointed at
+  ``IngestDataset`` for that call; verl may set ``gen_batch_size`` to 1 there (async modes fetch single prompts),
+  and the train loader takes the batch size verl settled on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from ingest.verl.dataset import CUSTOM_CLS, IngestDataset, data_mapping
 from ingest.verl.loader import VerlDataLoader
 
-
-class _Rows:
-    """A map-style stand-in with ``n`` rows: what verl's ``_create_dataloader`` sizes its loaders by."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        raise RuntimeError("the pipeline's VerlDataLoader yields the batches, not this stand-in")
+logger = logging.getLogger(__name__)
 
 
-def _container(data) -> dict:
-    try:
-        from omegaconf import OmegaConf
+def _stand_in(dataset: Any, files: Any, tokenizer: Any, processor: Any, data: Any) -> IngestDataset:
+    if isinstance(dataset, IngestDataset):
+        return dataset
+    if dataset is not None:
+        logger.warning(
+            "verl built its own %s before the trainer (a whole load and overlong-filter pass); "
+            "data.custom_cls {path: %s, name: %s} skips it",
+            type(dataset).__name__,
+            CUSTOM_CLS["path"],
+            CUSTOM_CLS["name"],
+        )
+    return IngestDataset(files, tokenizer, processor, data)
 
-        return OmegaConf.to_container(data, resolve=True)
-    except ValueError:
-        return dict(data)
 
-
-def _files(value) -> list[str]:
-    return [value] if isinstance(value, str) else [str(v) for v in value]
-
-
-def dataloaders(data, model_path: str, with_processor: bool) -> tuple[VerlDataLoader, VerlDataLoader]:
-    """The train and val loaders of a verl ``data:`` config: ``row_format`` defaults to the installed verl's; the
-    train batch is ``gen_batch_size or train_batch_size`` (last short batch dropped); the val batch is
-    ``val_batch_size`` (None: all rows), its order ``validation_shuffle``."""
-    config = _container(data)
-    config.setdefault("row_format", "auto")
-    processor = model_path if with_processor else None
+def _loaders(train: IngestDataset, val: IngestDataset, data: Any) -> tuple[VerlDataLoader, VerlDataLoader]:
+    """verl's train loader (``gen_batch_size or train_batch_size``, last short batch dropped) and val loader
+    (``val_batch_size``, None: every row in one batch; order ``validation_shuffle``)."""
+    config = data_mapping(data)
     batch = config.get("gen_batch_size") or config["train_batch_size"]
-    train = VerlDataLoader(_files(config["train_files"]), model_path, config, batch, processor)
-    val_config = {**config, "shuffle": bool(config.get("validation_shuffle", True))}
-    val_batch = config.get("val_batch_size")
-    val = VerlDataLoader(_files(config["val_files"]), model_path, val_config, val_batch, processor, drop_last=False)
-    return train, val
+    val_shuffle = bool(config.get("validation_shuffle", True))
+    return (
+        train.loader(batch, drop_last=True),
+        val.loader(config.get("val_batch_size"), drop_last=False, shuffle=val_shuffle),
+    )
+
+
+def _is_v1(trainer_cls: type) -> bool:
+    return hasattr(trainer_cls, "_init_dataloader") and not hasattr(trainer_cls, "_create_dataloader")
 
 
 def ingest_trainer(trainer_cls: type) -> type:
-    """``trainer_cls`` (verl's ``RayPPOTrainer``) whose ``train_dataloader`` / ``val_dataloader`` are this
-    pipeline's. Build it as verl's ``TaskRunner`` builds ``RayPPOTrainer``; the model path is the tokenizer's
-    ``name_or_path`` (verl loads tokenizer and processor from ``actor_rollout_ref.model.path``)."""
+    """``trainer_cls`` (verl's ``RayPPOTrainer``, or a verl 0.9 v1 ``PPOTrainer`` subclass) whose
+    ``train_dataloader`` / ``val_dataloader`` are this pipeline's. Build it as verl builds the original; the model
+    path is the tokenizer's ``name_or_path`` (verl loads tokenizer and processor from
+    ``actor_rollout_ref.model.path``)."""
+    if _is_v1(trainer_cls):
+        return _named(_v1_trainer(trainer_cls), trainer_cls)
 
     class IngestPPOTrainer(trainer_cls):
         def _create_dataloader(self, train_dataset: Any, val_dataset: Any, collate_fn: Any, train_sampler: Any):
             from torch.utils.data import SequentialSampler
 
-            model_path = self.tokenizer.name_or_path
-            train, val = dataloaders(self.config.data, model_path, self.processor is not None)
-            stand_in = _Rows(train.num_rows)
-            super()._create_dataloader(stand_in, _Rows(val.num_rows), collate_fn or list, SequentialSampler(stand_in))
-            self.train_dataloader, self.val_dataloader = train, val
+            data = self.config.data
+            train = _stand_in(train_dataset, data.train_files, self.tokenizer, self.processor, data)
+            val = _stand_in(val_dataset, data.val_files, self.tokenizer, self.processor, data)
+            super()._create_dataloader(train, val, collate_fn or list, SequentialSampler(train))
+            self.train_dataloader, self.val_dataloader = _loaders(train, val, data)
 
-    IngestPPOTrainer.__qualname__ = IngestPPOTrainer.__name__ = f"Ingest{trainer_cls.__name__}"
+    return _named(IngestPPOTrainer, trainer_cls)
+
+
+def _v1_trainer(trainer_cls: type) -> type:
+    class IngestPPOTrainer(trainer_cls):
+        def _init_dataloader(self):
+            from omegaconf import open_dict
+
+            data = self.config.data
+            chosen = data.get("custom_cls") or {}
+            if chosen.get("path") not in (None, CUSTOM_CLS["path"]):
+                raise ValueError(
+                    f"data.custom_cls selects {chosen.get('name')} from {chosen.get('path')}: the ingest pipeline "
+                    "makes the rows, so it cannot use another dataset class; remove data.custom_cls"
+                )
+            with open_dict(self.config):
+                data.custom_cls = dict(CUSTOM_CLS)
+            super()._init_dataloader()  # verl's own: IngestDataset stand-ins, its samplers, its step arithmetic
+            self.train_dataloader, self.val_dataloader = _loaders(self.train_dataset, self.val_dataset, data)
+            self.train_dataloader_it = None
+
     return IngestPPOTrainer
+
+
+def _named(cls: type, base: type) -> type:
+    cls.__qualname__ = cls.__name__ = f"Ingest{base.__name__}"
+    return cls

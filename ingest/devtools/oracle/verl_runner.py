@@ -100,6 +100,14 @@ def dataproto(spec):
     return {"code": code, "batches": results}
 
 
+def _task_runner_module():
+    """The module of verl's legacy ``TaskRunner`` (its ``create_rl_dataset`` / ``create_rl_sampler``)."""
+    import importlib.util
+
+    legacy = "verl.trainer.main_ppo_v0"  # 0.9: the legacy runner moved here
+    return importlib.import_module(legacy if importlib.util.find_spec(legacy) else "verl.trainer.main_ppo")
+
+
 def trainer(spec):
     """verl's ``RayPPOTrainer`` code with ``ingest_trainer``'s dataloaders: ``_create_dataloader`` (lengths, the steps
     arithmetic), ``fit``'s lines on each batch up to the rollout hand-off (``DataProto``, uid, the generation pops,
@@ -123,14 +131,22 @@ def trainer(spec):
     load_lines = _lines(source, LOAD_START, LOAD_END)
     trainer_cls = ingest_trainer(RayPPOTrainer)
 
+    runner = _task_runner_module()
+
     def new_trainer():
         trainer = object.__new__(trainer_cls)  # no worker groups: only the data side of the trainer runs
-        trainer.config = OmegaConf.create(spec["trainer_config"])
+        trainer.config = config = OmegaConf.create(spec["trainer_config"])
         trainer.tokenizer = _tokenizer(spec["tokenizer"])
         trainer.processor = _processor(spec.get("processor"))
         trainer.async_rollout_mode = False
         trainer.global_steps = 0
-        trainer._create_dataloader(None, None, None, None)
+        # as verl's TaskRunner does before it builds the trainer (data.custom_cls selects IngestDataset)
+        train = runner.create_rl_dataset(config.data.train_files, config.data, trainer.tokenizer, trainer.processor)
+        val = runner.create_rl_dataset(
+            config.data.val_files, config.data, trainer.tokenizer, trainer.processor, is_train=False
+        )
+        result.setdefault("dataset_classes", [type(train).__name__, type(val).__name__])
+        trainer._create_dataloader(train, val, None, runner.create_rl_sampler(config.data, train))
         return trainer
 
     def run(trainer, stop_after=None):
@@ -170,8 +186,9 @@ def trainer(spec):
                     return steps
         return steps
 
+    result = {}
     first = new_trainer()
-    result = {
+    result |= {
         "len_train": len(first.train_dataloader),
         "len_val": len(first.val_dataloader),
         "total_training_steps": first.total_training_steps,
@@ -220,6 +237,12 @@ def main():
     if mode == "trainer":
         with open(spec["out"], "wb") as f:
             pickle.dump(trainer(spec), f)
+        return
+    if mode == "trainer_v1":
+        from ingest.devtools.oracle.trainer_v1 import trainer_v1
+
+        with open(spec["out"], "wb") as f:
+            pickle.dump(trainer_v1(spec), f)
         return
 
     # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch

@@ -1,0 +1,102 @@
+"""``IngestDataset``: what verl's ``create_rl_dataset`` builds under ``data.custom_cls`` instead of ``RLHFDataset``.
+
+verl builds its datasets before the trainer exists (0.5 and 0.6's ``TaskRunner``, 0.9's ``_init_dataloader``), and
+``RLHFDataset`` loads every file whole and runs the overlong filter over all of it right there. This class is that
+hook's stand-in: it reads nothing on construction; its ``len()`` is the rows one epoch of the pipeline yields (counted
+once and cached, ``length.count_rows``), which verl's own code turns into steps per epoch; and it makes the
+``VerlDataLoader``\\ s that ``ingest_trainer`` puts in place of the ``StatefulDataLoader``\\ s verl wraps around it.
+Rows come only from those loaders: indexing this object is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from ingest.verl.loader import VerlDataLoader
+
+logger = logging.getLogger(__name__)
+
+# verl's ``data.custom_cls`` entry that selects this class (``pkg://`` imports a module by name in verl 0.5 to 0.9)
+CUSTOM_CLS = {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}
+
+
+def data_mapping(config: Any) -> dict:
+    """A verl ``data:`` section (an OmegaConf ``DictConfig``, resolved, or any mapping) as a plain dict."""
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(config, resolve=True)
+    except ValueError:  # not an OmegaConf object
+        return dict(config)
+
+
+def _files(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _model_path(model: Any) -> str | None:
+    """A tokenizer or processor object (verl passes loaded ones) as the model folder it was loaded from."""
+    if model is None or isinstance(model, str):
+        return model
+    return getattr(model, "name_or_path", None) or model.tokenizer.name_or_path
+
+
+class IngestDataset(Dataset):
+    """verl's dataset constructor signature (``data_files, tokenizer, processor, config, max_samples``); ``len()`` is
+    one epoch's rows after the filter and quarantine. ``row_format`` defaults to ``auto`` (the installed verl's)."""
+
+    def __init__(
+        self,
+        data_files: str | list[str],
+        tokenizer: Any,
+        processor: Any = None,
+        config: Mapping[str, Any] | None = None,
+        max_samples: int = -1,
+    ):
+        if max_samples is not None and max_samples > 0:
+            # verl 0.9 samples max_samples rows of the loaded table before its filter: a whole-table operation this
+            # stream has no equivalent of, so the key is refused rather than ignored
+            raise ValueError(
+                f"data.train_max_samples / val_max_samples = {max_samples}: not supported by the ingest pipeline "
+                "(it streams every row of the files); write the subset you want as its own files"
+            )
+        self.files = _files(data_files)
+        self.model_path = _model_path(tokenizer)
+        self.processor_path = self.model_path if processor is not None else None
+        self.config = data_mapping(config or {})
+        self.config.setdefault("row_format", "auto")
+        self._num_rows: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows one epoch yields: counted by the pipeline once, then from the cache in ``cache_dir``."""
+        if self._num_rows is None:
+            self._num_rows = VerlDataLoader(self.files, self.model_path, self.config, 1, self.processor_path).num_rows
+        return self._num_rows
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, index: int) -> dict:
+        raise TypeError(
+            "IngestDataset holds no rows: iterate the trainer's dataloader (ingest_trainer puts the pipeline's "
+            "VerlDataLoader there)"
+        )
+
+    def loader(self, batch_size: int | None, *, drop_last: bool, shuffle: bool | None = None) -> VerlDataLoader:
+        """The ``VerlDataLoader`` over these files and settings (``batch_size`` None: every row in one batch, as
+        verl's val loader); ``shuffle`` overrides ``data.shuffle`` (verl's ``validation_shuffle``)."""
+        config = self.config if shuffle is None else {**self.config, "shuffle": shuffle}
+        return VerlDataLoader(
+            self.files,
+            self.model_path,
+            config,
+            batch_size,
+            self.processor_path,
+            drop_last=drop_last,
+            num_rows=self.num_rows,
+        )
