@@ -28,6 +28,9 @@ COMPACT_TEXT_COLUMNS = (MAX_LENGTH_COLUMN, PAD_ID_COLUMN)
 
 # --- verl 0.9 rows: the prompt column's name (its values are the raw_prompt objects, which the consumer fills in) ---
 RAW_PROMPT_OF_COLUMN = "_ingest_raw_prompt_of"
+# per row, the encoded bytes of its image items built from plain ``{bytes, path}`` structs (no HF ``Image()`` feature),
+# in item order, for the consumer to open as verl does (null: the row has none)
+STRUCT_IMAGE_BYTES_COLUMN = "_ingest_struct_image_bytes"
 
 # --- media rows: what the tokenize stage hands the decode and vision stages ----------------------------------------
 MEDIA_BYTES_COLUMN = "_media_image_bytes"  # encoded images, for the decode stage (null: the row has no images)

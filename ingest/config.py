@@ -279,11 +279,16 @@ def _is_omegaconf(obj: object) -> bool:
 class StageContext:
     """What a stage needs of its run besides the ``DataConfig``: the run's files as errors and quarantine records name
     them (secrets redacted; indexed by the provenance column ``_ingest_file``), the ``RunLedger`` actor its counts go
-    to (None: not counted), and whether the provenance columns stay on the rows (``PromptStream`` needs them)."""
+    to (None: not counted), whether the provenance columns stay on the rows (``PromptStream`` needs them), and the
+    files (indices) whose image column HF datasets reads as plain ``{bytes, path}`` dicts, not PIL images (no
+    ``Image()`` feature in their schema metadata: ``read.files.reads_as_pil_images``); verl 0.9 builds other image
+    items from those."""
 
     files: tuple[str, ...] = ()
     ledger: Any = None
     keep_provenance: bool = False
+    files_without_image_feature: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))
+        object.__setattr__(self, "files_without_image_feature", frozenset(self.files_without_image_feature))

@@ -140,7 +140,12 @@ class PromptStream:
         local = 0
         if self.driver_first_batch and driver_can_start(self.config, self.processor):
             driver = DriverUnits(
-                plan, self.config, plan.context(self.ledger, True), self.tokenizer, self.processor, epoch=self.epoch
+                plan,
+                self.config,
+                plan.context(self.ledger, True, self.config.image_key),
+                self.tokenizer,
+                self.processor,
+                epoch=self.epoch,
             )
             rows = 0
             while local < len(units) and rows < self._rows + self.batch_size:  # the rows to skip, then one batch

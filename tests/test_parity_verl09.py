@@ -1,6 +1,7 @@
 """``row_format: verl-0.9`` against verl 0.9.1 itself (transformers 5.9 beside it): ``raw_prompt`` rows with their
 content items (text, RGB PIL images, video sources), ``dummy_tensor``, the passthrough and extra_info keys, batch by
-batch, with verl 0.9.1's overlong filter on and off; text, images of every kind, videos (frame lists and files)."""
+batch, with verl 0.9.1's overlong filter on and off; text, images of every kind (HF ``Image()`` columns, plain
+``{bytes, path}`` structs without that metadata, path strings), videos (frame lists and files)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import pytest
 from ingest import build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available
-from ingest.devtools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
+from ingest.devtools.samples import (
+    geo3k_rows,
+    geo3k_schema,
+    qwen3_vl_model_dir,
+    qwen25_vl_model_dir,
+    write_video_parquet,
+)
+from ingest.errors import BadRowError, find_ingest_error
+from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 
@@ -81,6 +90,118 @@ def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_run
     assert "error" not in expected, expected.get("error")
     assert (len(expected["rows"]) < 48) == (index == 0)  # 640 tokens: the filter drops the rows with large images
     assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
+
+
+def _image_items(batches: list[dict]) -> list[dict]:
+    return [
+        item
+        for batch in batches
+        for messages in batch["raw_prompt"]
+        for message in messages
+        if isinstance(message["content"], list)
+        for item in message["content"]
+        if item["type"] == "image"
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_struct_files(geo3k_files, tmp_path_factory):
+    """The geo3k files without their schema metadata: HF datasets (so verl) reads the images as plain
+    ``{bytes, path}`` dicts; every 7th row's structs have null bytes and a path."""
+    out = tmp_path_factory.mktemp("geo3k-plain")
+    paths = []
+    for path in geo3k_files:
+        target = out / path.rsplit("/", 1)[-1]
+        pq.write_table(pq.read_table(path).replace_schema_metadata(None), target, row_group_size=12)
+        paths.append(str(target))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def plain_struct_runs(plain_struct_files, model_dir, tmp_path_factory):
+    return _verl(
+        plain_struct_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), processor=model_dir
+    )
+
+
+@pytest.mark.parametrize("index", range(2), ids=[str(c) for c in IMAGE_CONFIGS[:2]])
+def test_plain_image_struct_rows_equal_verl_09(ray_session, plain_struct_files, model_dir, plain_struct_runs, index):
+    """Image structs read without an HF ``Image()`` feature: verl 0.9.1's items keep the struct's ``bytes`` and
+    ``path`` beside ``Image.open(BytesIO(bytes))``, not converted (L, P, RGBA stay). Its filter drops the rows whose
+    structs hold only a path (opening null bytes fails there); ours quarantines them: the same rows remain."""
+    expected = plain_struct_runs[index]
+    assert "error" not in expected, expected.get("error")
+    # the 7 path-only rows go, and at 640 tokens the rows with large images too
+    assert len(expected["rows"]) <= 48 - 7 and (len(expected["rows"]) < 48 - 7) == (index == 0)
+    ours = _ours(plain_struct_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir)
+    assert_same_batches(ours, expected["batches"])
+    items = _image_items(ours)
+    assert {tuple(item) for item in items} == {("type", "bytes", "path", "image")}
+    assert {"L", "P", "RGBA"} <= {item["image"].mode for item in items}
+
+
+def test_plain_image_struct_rows_without_the_filter_equal_verl_09(
+    ray_session, plain_struct_files, model_dir, plain_struct_runs, tmp_path
+):
+    """Filter off: verl 0.9.1 raises on a path-only struct (``__getitem__`` opens its null bytes); ours makes it a
+    bad row naming file, row and column. Structs that all hold bytes (fields in the order path, bytes; paths set)
+    give verl's rows exactly."""
+    config = IMAGE_CONFIGS[2]
+    assert "UnidentifiedImageError" in plain_struct_runs[2]["error"]
+    rows_with_paths = [(plain_struct_files[i // 24], i % 24, "images") for i in range(3, 48, 7)]  # 24 rows a file
+    with pytest.raises(BadRowError) as info:
+        _ours(plain_struct_files, model_dir, {**config, "on_bad_row": "raise"}, processor=model_dir)
+    err = find_ingest_error(info.value)  # the first block to fail names its row: the files' units run in parallel
+    assert (err.file, err.row, err.column) in rows_with_paths and "null or empty bytes" in err.reason
+    summary = run_pipeline(
+        plain_struct_files,
+        model_dir,
+        {**config, "row_format": ROW_FORMAT},
+        processor=model_dir,
+        quarantine_dir=str(tmp_path / "quarantine"),
+    )
+    records = pq.read_table(summary.quarantine_file).to_pylist()
+    assert sorted((r["file"], r["row"], r["column"]) for r in records) == rows_with_paths
+    assert (summary.rows_out, summary.quarantined) == (48 - 7, 7)
+
+    rows = geo3k_rows(16, seed=1)
+    for row in rows:
+        row["images"] = [
+            {"path": f"figure-{row['extra_info']['index']}.png", "bytes": image["bytes"]} for image in row["images"]
+        ]
+    struct = pa.struct([("path", pa.string()), ("bytes", pa.binary())])
+    schema = geo3k_schema().remove_metadata()
+    schema = schema.set(schema.get_field_index("images"), pa.field("images", pa.list_(struct)))
+    path = tmp_path / "path-then-bytes.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=8)
+    expected = _verl([str(path)], model_dir, [config], tmp_path / "verl-cache", processor=model_dir)[0]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours([str(path)], model_dir, config, processor=model_dir)
+    assert_same_batches(ours, expected["batches"])
+    assert {tuple(item) for item in _image_items(ours)} == {("type", "path", "bytes", "image")}
+
+
+def test_image_path_strings_equal_verl_09(ray_session, model_dir, tmp_path):
+    """Image values as plain path strings: verl 0.9.1's item holds the path string (``os.fspath``), with the filter
+    on and off."""
+    rows = geo3k_rows(16, seed=2)
+    for row in rows:
+        paths = []
+        for k, image in enumerate(row["images"]):
+            target = tmp_path / "images" / f"{row['extra_info']['index']}-{k}.img"
+            target.parent.mkdir(exist_ok=True)
+            target.write_bytes(image["bytes"])
+            paths.append(str(target))
+        row["images"] = paths
+    path = tmp_path / "path-strings.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)
+    configs = IMAGE_CONFIGS[1:]
+    runs = _verl([str(path)], model_dir, configs, tmp_path / "verl-cache", processor=model_dir)
+    for config, expected in zip(configs, runs, strict=True):
+        assert "error" not in expected, expected.get("error")
+        ours = _ours([str(path)], model_dir, config, processor=model_dir)
+        assert_same_batches(ours, expected["batches"])
+        assert all(isinstance(item["image"], str) for item in _image_items(ours))
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])

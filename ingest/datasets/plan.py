@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ingest.config import DataConfig, StageContext
 from ingest.errors import ModelLoadError, SourceError
-from ingest.read.files import FileInfo, _describe, expand_files, inspect_files, unify_schemas
+from ingest.read.files import FileInfo, _describe, expand_files, inspect_files, reads_as_pil_images, unify_schemas
 from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
 
 FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
@@ -27,9 +27,15 @@ class InputPlan:
     def num_rows(self) -> int:
         return sum(u.num_rows for u in self.units)
 
-    def context(self, ledger=None, keep_provenance: bool = False) -> StageContext:
-        """The ``StageContext`` of a run over these files (named as errors name them: secrets redacted)."""
-        return StageContext(tuple(_describe(p) for p in self.files), ledger, keep_provenance)
+    def context(self, ledger=None, keep_provenance: bool = False, image_key: str = "images") -> StageContext:
+        """The ``StageContext`` of a run over these files (named as errors name them: secrets redacted), whose image
+        column is ``image_key``."""
+        plain = frozenset(
+            i
+            for i, info in enumerate(self.infos)
+            if image_key in info.schema.names and not reads_as_pil_images(info.schema, image_key)
+        )
+        return StageContext(tuple(_describe(p) for p in self.files), ledger, keep_provenance, plain)
 
 
 def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:

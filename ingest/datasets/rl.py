@@ -48,7 +48,7 @@ def build_dataset(
 
     if processor is not None:  # text rows have no media pools to lay out
         cfg = cluster_layout(cfg).apply(cfg)
-    context = plan.context(ledger, keep_provenance)
+    context = plan.context(ledger, keep_provenance, cfg.image_key)
     models = actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor)
     ds = read_units_into_pool(plan, cfg, context, TokenizeActor, models, epoch=epoch)
     if processor is None:

@@ -218,6 +218,50 @@ def check_no_pickles(schema: pa.Schema, path: str) -> None:
         )
 
 
+# the Arrow storage of HF datasets' ``Image()`` feature
+_HF_IMAGE_STORAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def _hf_image_list_type(feature) -> pa.DataType | None:
+    """The Arrow type HF datasets gives a list-of-``Image()`` feature (as its ``huggingface`` schema metadata spells
+    it: ``List`` / ``Sequence`` / ``LargeList``, or a one-element JSON list), or None for any other feature and for
+    ``Image(decode=False)`` (its values stay ``{bytes, path}`` dicts)."""
+
+    def decoding_image(inner) -> bool:
+        return isinstance(inner, dict) and inner.get("_type") == "Image" and inner.get("decode", True) is not False
+
+    if isinstance(feature, list):
+        return pa.list_(_HF_IMAGE_STORAGE) if len(feature) == 1 and decoding_image(feature[0]) else None
+    if not isinstance(feature, dict) or not decoding_image(feature.get("feature")):
+        return None
+    if feature.get("_type") == "LargeList":
+        return pa.large_list(_HF_IMAGE_STORAGE)
+    if feature.get("_type") in ("List", "Sequence"):
+        length = feature.get("length", -1)
+        if isinstance(length, int) and length >= 0:  # a fixed-size list
+            return pa.list_(_HF_IMAGE_STORAGE, length)
+        return pa.list_(_HF_IMAGE_STORAGE)
+    return None
+
+
+def reads_as_pil_images(schema: pa.Schema, column: str) -> bool:
+    """Whether HF datasets (verl's ``load_dataset("parquet")``) reads ``column`` of a file with this schema as PIL
+    images: the file's ``huggingface`` schema metadata gives it a list-of-``Image()`` feature whose Arrow type is
+    exactly the column's (datasets' ``Features.from_arrow_schema`` ignores a feature that does not match). Otherwise
+    the values arrive as the plain dicts or strings the file holds."""
+    import json
+
+    if column not in schema.names or not schema.metadata or b"huggingface" not in schema.metadata:
+        return False
+    try:
+        features = (json.loads(schema.metadata[b"huggingface"]).get("info") or {}).get("features") or {}
+    except (ValueError, AttributeError):  # metadata that is not the JSON datasets writes
+        return False
+    expected = _hf_image_list_type(features.get(column)) if isinstance(features, dict) else None
+    field = schema.field(column)
+    return expected is not None and field.type == expected and field.nullable
+
+
 def _empty_file(path: str, storage_options: dict | None) -> bool:
     try:
         if protocol_of(path) == "file":

@@ -18,6 +18,7 @@ from ingest.blocks import (
     MULTI_MODAL_DATA,
     PAD_ID_COLUMN,
     RAW_PROMPT_OF_COLUMN,
+    STRUCT_IMAGE_BYTES_COLUMN,
     contiguous,
     image_from_array,
     rgb_arrays,
@@ -26,7 +27,7 @@ from ingest.blocks import (
 )
 from ingest.config import resolve_row_format
 from ingest.media.video import video_metadata
-from ingest.rowformat.raw_prompt import fill_images
+from ingest.rowformat.raw_prompt import fill_images, fill_struct_images
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
 
 _TENSOR_TYPES = (ArrowTensorType, ArrowTensorTypeV2, ArrowVariableShapedTensorType)
@@ -166,7 +167,9 @@ class VerlCollate(ArrowBatchCollateFn):
     ``row_format`` (``DataConfig.row_format``, ``auto`` included): whose ``collate_fn`` to reproduce. ``verl-0.6``
     collates with ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or
     null). ``verl-0.9`` does too, on its ``raw_prompt`` rows: ``dummy_tensor`` (uint8 zeros, (B, 1)) is the one
-    tensor, ``raw_prompt`` holds RGB PIL images in its image items, and the prompt column holds the same objects.
+    tensor, ``raw_prompt`` holds RGB PIL images in its image items (or, for image structs read without an HF
+    ``Image()`` feature, their bytes, path and the image as ``Image.open`` gives it), and the prompt column holds the
+    same objects.
     """
 
     def __init__(self, device: str | None = None, one_dimensional: bool = False, row_format: str = "verl-0.5"):
@@ -232,10 +235,14 @@ class VerlCollate(ArrowBatchCollateFn):
             for messages, row_images in zip(raw_prompt, images, strict=True):
                 if row_images:
                     fill_images(messages, iter(row_images))
+        if STRUCT_IMAGE_BYTES_COLUMN in batch.column_names:  # plain image structs: opened here, as verl opens them
+            for messages, encoded in zip(raw_prompt, batch.column(STRUCT_IMAGE_BYTES_COLUMN).to_pylist(), strict=True):
+                if encoded:
+                    fill_struct_images(messages, iter(encoded))
         prompt_key = batch.column(RAW_PROMPT_OF_COLUMN)[0].as_py() if rows else None
         others = {}
         for name in batch.column_names:
-            if name in (MULTI_MODAL_DATA, RAW_PROMPT_OF_COLUMN):
+            if name in (MULTI_MODAL_DATA, RAW_PROMPT_OF_COLUMN, STRUCT_IMAGE_BYTES_COLUMN):
                 continue
             # verl keeps the prompt column: the very list it turned into raw_prompt
             values = raw_prompt if name in (prompt_key, "raw_prompt") else batch.column(name).to_pylist()

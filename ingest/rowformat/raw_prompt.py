@@ -3,24 +3,51 @@ replaced by content items carrying the media (``RLHFDataset._build_messages``), 
 tokenizes and processes the media.
 
 Blocks carry the messages as JSON with ``{"type": "image"}`` items where a decoded image goes; the consumer puts the
-RGB PIL image in (``fill_images``), so pixels travel as plain Arrow, never as pickled images.
+RGB PIL image in (``fill_images``), so pixels travel as plain Arrow, never as pickled images. An image column that
+HF datasets reads as plain ``{bytes, path}`` dicts (no ``Image()`` feature in the file's metadata) gives verl 0.9.1
+``{"type": "image", **struct, "image": Image.open(BytesIO(struct["bytes"]))}``: the struct's keys in its order, the
+PIL image as opened (not converted). Those items travel with ``bytes`` and ``image`` null, the bytes in an Arrow
+column of their own, and the consumer opens them (``fill_struct_images``).
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterator, Mapping
 
 _SPLIT = re.compile("(<image>|<video>|<audio>)")
 
 
-def raw_prompt_messages(messages: list[dict], images: list, videos: list) -> tuple[list[dict], list[int]]:
+def struct_image_problem(image) -> str | None:
+    """Why verl 0.9.1 gives no image for a plain image struct (read without an HF ``Image()`` feature), or None.
+
+    It opens only the struct's ``bytes`` (``Image.open(BytesIO(image["bytes"]))``): a struct whose bytes are null
+    or empty fails there (its overlong filter drops the row, ``__getitem__`` raises), and one without a ``bytes``
+    field gets an item with no image at all (the rollout's ``fetch_image`` fails on it)."""
+    if not isinstance(image, Mapping):
+        return None
+    if "bytes" not in image:
+        return "image struct without a bytes field (read without an HF Image() feature, verl 0.9.1 gives no image)"
+    if not image["bytes"]:
+        return (
+            "image struct with null or empty bytes (read without an HF Image() feature, verl 0.9.1 opens only the "
+            "bytes, not the path: its filter drops the row, __getitem__ raises)"
+        )
+    return None
+
+
+def raw_prompt_messages(
+    messages: list[dict], images: list, videos: list, images_decoded: bool = True
+) -> tuple[list[dict], list[int]]:
     """verl 0.9.1 ``_build_messages`` on a row whose media lists are ``images`` / ``videos`` (empty: none), in place.
 
     Only a row with media is split, and only its string contents. Returns the messages and the positions in
     ``images`` of those the consumer fills in decoded (an HF ``Image()`` value; verl: ``img.convert("RGB")``); a path
-    string stays the item's ``image``. Videos are items of their own values (``{"type": "video", **video}``).
-    Raises ``ValueError`` where placeholders and media do not match (verl asserts).
+    string stays the item's ``image``. ``images_decoded`` False: the image structs are plain dicts (the file has no
+    HF ``Image()`` feature for the column), each an item of its own fields with ``bytes`` and ``image`` left null
+    for the consumer (``fill_struct_images``). Videos are items of their own values (``{"type": "video", **video}``).
+    Raises ``ValueError`` where placeholders and media do not match (verl asserts) or a struct gives no image.
     """
     if not images and not videos:
         return messages, []
@@ -40,9 +67,17 @@ def raw_prompt_messages(messages: list[dict], images: list, videos: list) -> tup
                 image = images[image_at]
                 if isinstance(image, str):
                     items.append({"type": "image", "image": image})
-                elif isinstance(image, Mapping):
+                elif isinstance(image, Mapping) and images_decoded:
                     items.append({"type": "image"})
                     to_decode.append(image_at)
+                elif isinstance(image, Mapping):
+                    problem = struct_image_problem(image)
+                    if problem is not None:
+                        raise ValueError(problem)
+                    # verl: image["image"] = Image.open(...), then {"type": "image", **image}: the struct's key order
+                    item = {"type": "image", **image, "bytes": None}
+                    item["image"] = None
+                    items.append(item)
                 else:
                     raise ValueError(f"image must be an image struct or a path, got {type(image).__name__}")
                 image_at += 1
@@ -78,4 +113,21 @@ def fill_images(messages: list[dict], images: Iterator) -> list[dict]:
         for item in content:
             if isinstance(item, dict) and item.get("type") == "image" and len(item) == 1:
                 item["image"] = next(images)
+    return messages
+
+
+def fill_struct_images(messages: list[dict], encoded: Iterator[bytes]) -> list[dict]:
+    """Put the next of ``encoded`` into each struct image item (``bytes`` null), with its image opened as verl 0.9.1
+    opens it: ``Image.open(BytesIO(bytes))``, lazily, in the file's own mode."""
+    from PIL import Image
+
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for item in content:
+            if isinstance(item, dict) and item.get("type") == "image" and "bytes" in item and item["bytes"] is None:
+                data = next(encoded)
+                item["bytes"] = data
+                item["image"] = Image.open(io.BytesIO(data))
     return messages

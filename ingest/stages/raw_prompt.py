@@ -10,28 +10,50 @@ row. With the filter off nothing is measured (verl 0.9 has no truncation: an ove
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
 
 from ingest.accounting import StageResult
-from ingest.blocks import MEDIA_BYTES_COLUMN, PROMPT_TOKENS_COLUMN, PROVENANCE_COLUMNS, RAW_PROMPT_OF_COLUMN
+from ingest.blocks import (
+    FILE_COLUMN,
+    MEDIA_BYTES_COLUMN,
+    PROMPT_TOKENS_COLUMN,
+    PROVENANCE_COLUMNS,
+    RAW_PROMPT_OF_COLUMN,
+    STRUCT_IMAGE_BYTES_COLUMN,
+)
+from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError, redact
-from ingest.media.geometry import fetch_image_size, grid_tokens, image_grid, video_grid
-from ingest.media.image import image_size, read_image_bytes
+from ingest.media.geometry import VisionSpec, fetch_image_size, grid_tokens, image_grid, video_grid
+from ingest.media.image import check_complete, image_size, read_image_bytes
 from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
-from ingest.rowformat.raw_prompt import raw_prompt_messages
+from ingest.rowformat.raw_prompt import raw_prompt_messages, struct_image_problem
 from ingest.rowformat.text import extra_info_columns
 from ingest.stages.tokenize import PromptTokenizeStage
+from ingest.tokenizer.chat import ChatTokenizer
 
 
 class RawPromptStage(PromptTokenizeStage):
     """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl 0.9 rows (``raw_prompt``).
 
     Same construction, bad-row policy and accounting as ``PromptTokenizeStage``; on the processor path the images to
-    decode go to the decode stage (``_media_image_bytes``), which counts the rows out.
+    decode go to the decode stage (``_media_image_bytes``), which counts the rows out. Rows of the files in
+    ``context.files_without_image_feature`` get verl's items of plain image structs, their bytes in
+    ``STRUCT_IMAGE_BYTES_COLUMN`` for the consumer to open.
     """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        config: DataConfig,
+        context: StageContext | None = None,
+        vision: VisionSpec | None = None,
+    ):
+        super().__init__(tokenizer, config, context, vision)
+        self.files_without_image_feature = (context or StageContext()).files_without_image_feature
 
     def _process(self, table: pa.Table) -> StageResult:
         cfg = self.config
@@ -47,6 +69,9 @@ class RawPromptStage(PromptTokenizeStage):
         messages_out: list = [None] * n
         texts: list[str] = [""] * n
         to_decode: list[list[bytes] | None] = [None] * n
+        struct_bytes: list[list[bytes] | None] = [None] * n  # the encoded images of plain-struct items
+        plain = self.files_without_image_feature
+        file_of_row = table.column(FILE_COLUMN).to_numpy() if plain and FILE_COLUMN in table.column_names else None
         media_tokens = np.zeros(n, dtype=np.int64)  # what the media add to the text ids (grids expanded)
         for i, messages in enumerate(prompts):
             problem = validate_messages(messages)
@@ -57,8 +82,13 @@ class RawPromptStage(PromptTokenizeStage):
             if (row_images or row_videos) and self.vision is None:
                 bad[i] = self._error(table, i, "an image or video prompt needs a processor (verl asserts one)")
                 continue
+            images_decoded = file_of_row is None or int(file_of_row[i]) not in plain
+            problem = None if images_decoded else next(filter(None, map(struct_image_problem, row_images)), None)
+            if problem is not None:
+                bad[i] = self._error(table, i, problem, cfg.image_key)
+                continue
             try:
-                messages, decode = raw_prompt_messages(messages, row_images, row_videos)
+                messages, decode = raw_prompt_messages(messages, row_images, row_videos, images_decoded)
                 messages_out[i] = messages
                 if measure:  # with the tool schemas, as verl's filter renders it
                     texts[i] = self.tokenizer.render(messages, **self.filter_template_kwargs)
@@ -68,6 +98,11 @@ class RawPromptStage(PromptTokenizeStage):
             try:
                 encoded = [read_image_bytes(value, cfg.storage_options) for value in row_images]
                 to_decode[i] = [encoded[k] for k in decode] if self.vision is not None else None
+                if not images_decoded:  # verl opens these at __getitem__; a file cut short fails its filter's decode
+                    struct_bytes[i] = [image["bytes"] for image in row_images if isinstance(image, Mapping)]
+                    for data in struct_bytes[i]:
+                        image_size(data)
+                        check_complete(data)
                 if measure:
                     media_tokens[i] = sum(self._image_tokens(*image_size(data)) - 1 for data in encoded)
             except Exception as exc:
@@ -96,7 +131,12 @@ class RawPromptStage(PromptTokenizeStage):
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(
-            table, [messages_out[i] for i in kept], [to_decode[i] for i in kept], bool(media_columns), lengths[kept]
+            table,
+            [messages_out[i] for i in kept],
+            [to_decode[i] for i in kept],
+            [struct_bytes[i] for i in kept],
+            bool(media_columns),
+            lengths[kept],
         )
         return StageResult(rows, counts, quarantine)
 
@@ -107,7 +147,9 @@ class RawPromptStage(PromptTokenizeStage):
         width, height = fetch_image_size(width, height, patch)
         return grid_tokens(image_grid(width, height, self.vision), self.vision)
 
-    def _raw_rows(self, table: pa.Table, messages: list, to_decode: list, as_json: bool, prompt_tokens) -> pa.Table:
+    def _raw_rows(
+        self, table: pa.Table, messages: list, to_decode: list, struct_bytes: list, as_json: bool, prompt_tokens
+    ) -> pa.Table:
         """verl 0.9's keys in its order: the Parquet columns without the media (the prompt column's values are the
         ``raw_prompt`` objects, filled in by the consumer), ``raw_prompt``, then ``extra_info``'s keys."""
         cfg = self.config
@@ -124,6 +166,7 @@ class RawPromptStage(PromptTokenizeStage):
         columns[RAW_PROMPT_OF_COLUMN] = pa.array([cfg.prompt_key] * table.num_rows, pa.string())
         if self.vision is not None:
             columns[MEDIA_BYTES_COLUMN] = pa.array(to_decode, type=pa.list_(pa.large_binary()))
+            columns[STRUCT_IMAGE_BYTES_COLUMN] = pa.array(struct_bytes, type=pa.list_(pa.large_binary()))
             columns[PROMPT_TOKENS_COLUMN] = pa.array(np.asarray(prompt_tokens, dtype=np.int64))
         columns.update(extra_info_columns(table))
         return pa.table(columns)
