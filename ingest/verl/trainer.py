@@ -49,6 +49,20 @@ def _loaders(train: IngestDataset, val: IngestDataset, data: Any) -> tuple[VerlD
     )
 
 
+def _report(trainer: Any) -> None:
+    logger.info(
+        "%s: the train and val dataloaders are the ingest pipeline's (%d and %d batches per epoch)",
+        type(trainer).__name__,
+        len(trainer.train_dataloader),
+        len(trainer.val_dataloader),
+    )
+
+
+def is_ingest_trainer(trainer_cls: type) -> bool:
+    """Whether ``trainer_cls`` came from ``ingest_trainer`` (wrapping it twice would build the loaders twice)."""
+    return getattr(trainer_cls, "_ingest_loaders", False)
+
+
 def _is_v1(trainer_cls: type) -> bool:
     return hasattr(trainer_cls, "_init_dataloader") and not hasattr(trainer_cls, "_create_dataloader")
 
@@ -70,6 +84,7 @@ def ingest_trainer(trainer_cls: type) -> type:
             val = _stand_in(val_dataset, data.val_files, self.tokenizer, self.processor, data)
             super()._create_dataloader(train, val, collate_fn or list, SequentialSampler(train))
             self.train_dataloader, self.val_dataloader = _loaders(train, val, data)
+            _report(self)
 
     return _named(IngestPPOTrainer, trainer_cls)
 
@@ -91,10 +106,12 @@ def _v1_trainer(trainer_cls: type) -> type:
             super()._init_dataloader()  # verl's own: IngestDataset stand-ins, its samplers, its step arithmetic
             self.train_dataloader, self.val_dataloader = _loaders(self.train_dataset, self.val_dataset, data)
             self.train_dataloader_it = None
+            _report(self)
 
     return IngestPPOTrainer
 
 
 def _named(cls: type, base: type) -> type:
     cls.__qualname__ = cls.__name__ = f"Ingest{base.__name__}"
+    cls._ingest_loaders = True
     return cls

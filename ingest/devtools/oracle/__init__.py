@@ -33,6 +33,20 @@ def oracle_available(row_format: str = "verl-0.5") -> bool:
     return (oracle_dir(row_format) / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file()
 
 
+def oracle_environment(row_format: str, scratch: Path) -> dict[str, str]:
+    """This process's environment with the verl release of ``row_format`` in front of ``PYTHONPATH``; ``scratch``
+    holds its HF datasets cache."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir(row_format)), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle
+    # keeps decord, the reader its parity was established with (docs/parity.md)
+    env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+    # A fresh HF datasets cache per run: a warm one replays verl's overlong filter from disk
+    env["HF_DATASETS_CACHE"] = str(scratch / "hf-datasets")
+    return env
+
+
 def run_verl(
     mode: str,
     files: list[str],
@@ -49,14 +63,7 @@ def run_verl(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.pkl"
         spec = {"files": files, "tokenizer": tokenizer, "config": config, "out": str(out), **extra}
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir(row_format)), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle
-        # keeps decord, the reader its parity was established with (docs/parity.md)
-        env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
-        # A fresh HF datasets cache per run: a warm one replays verl's overlong filter from disk
-        env["HF_DATASETS_CACHE"] = str(Path(tmp) / "hf-datasets")
+        env = oracle_environment(row_format, Path(tmp))
         # its own process group, killed whole if we stop early: verl's DataLoader / datasets workers are its children
         with subprocess.Popen(
             [sys.executable, str(RUNNER), mode, json.dumps(spec)],

@@ -1,0 +1,103 @@
+"""``python -m ingest.verl.main_ppo [verl's Hydra overrides]``: verl's own PPO entry point on this pipeline's data.
+
+The same command line as ``python -m verl.trainer.main_ppo`` (verl 0.5, 0.6 or 0.9, whichever is installed): verl's
+Hydra config, its checks and its task runner run as they are. Only two things differ, both inside the task runner's
+process, before its ``run``: ``data.custom_cls`` selects ``IngestDataset`` (verl's dataset is never built: no load, no
+filter pass), and the trainer class ``run`` builds is ``ingest_trainer``'s subclass of it (``RayPPOTrainer``, or the
+v1 trainer registered for ``trainer.v1.trainer_mode``), so the dataloaders are ``VerlDataLoader``\\ s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from typing import Any
+
+from ingest.verl.dataset import CUSTOM_CLS
+from ingest.verl.trainer import ingest_trainer, is_ingest_trainer
+
+logger = logging.getLogger(__name__)
+
+
+def _select_ingest_dataset(config: Any) -> None:
+    from omegaconf import open_dict
+
+    chosen = config.data.get("custom_cls") or {}
+    if chosen.get("path") not in (None, CUSTOM_CLS["path"]):
+        raise ValueError(
+            f"data.custom_cls selects {chosen.get('name')} from {chosen.get('path')}: the ingest pipeline makes the "
+            "rows, so it cannot use another dataset class; remove data.custom_cls"
+        )
+    with open_dict(config):
+        config.data.custom_cls = dict(CUSTOM_CLS)
+
+
+def _use_ingest_trainer(config: Any, run_function: Any) -> str:
+    """Point what ``run`` builds at ``ingest_trainer``'s class: the v1 trainer registry entry of the configured mode
+    (verl 0.9), else the ``RayPPOTrainer`` name ``run`` reads from its globals (0.5, 0.6, 0.9's legacy runner)."""
+    trainer = config.get("trainer", {})
+    if trainer.get("use_v1"):
+        from verl.trainer.ppo.v1 import trainer_base
+
+        mode = trainer.v1.trainer_mode
+        registered = trainer_base.TRAINER_REGISTRY[mode]
+        if not is_ingest_trainer(registered):
+            trainer_base.TRAINER_REGISTRY[mode] = ingest_trainer(registered)
+        return trainer_base.TRAINER_REGISTRY[mode].__name__
+    names = run_function.__globals__
+    if not is_ingest_trainer(names["RayPPOTrainer"]):
+        names["RayPPOTrainer"] = ingest_trainer(names["RayPPOTrainer"])
+    return names["RayPPOTrainer"].__name__
+
+
+class _IngestRun:
+    """Mixed in front of verl's task runner class: its ``run`` with the two changes above."""
+
+    def run(self, config: Any):
+        ingest_logs = logging.getLogger("ingest")  # the job's output shows what the pipeline did (counts, loaders)
+        ingest_logs.setLevel(logging.INFO)
+        if not ingest_logs.handlers:
+            ingest_logs.addHandler(logging.StreamHandler(sys.stdout))
+            ingest_logs.propagate = False  # verl configures the root logger too: each line once
+        _select_ingest_dataset(config)
+        after = type(self).__mro__[type(self).__mro__.index(_IngestRun) + 1 :]  # verl's classes
+        verl_run = inspect.unwrap(next(vars(c)["run"] for c in after if "run" in vars(c)))
+        name = _use_ingest_trainer(config, verl_run)
+        print(f"[ingest] verl's task runner trains with {name}: data.custom_cls = {CUSTOM_CLS['name']}", flush=True)
+        return super().run(config)
+
+
+def _with_ingest(runner: Any) -> Any:
+    """verl's task runner (a Ray actor class, or the plain class 0.6's ``run_ppo`` wraps) with ``_IngestRun``."""
+    import ray
+
+    actor = getattr(runner, "__ray_metadata__", None)
+    # an actor class keeps the class it was made from (Ray's modified subclass names it __ray_actor_class__)
+    plain = actor.modified_class.__ray_actor_class__ if actor is not None else runner
+    mixed = type(plain.__name__, (_IngestRun, plain), {"__module__": __name__})
+    if actor is None:
+        return mixed
+    return ray.remote(mixed) if actor.num_cpus is None else ray.remote(num_cpus=actor.num_cpus)(mixed)
+
+
+def main() -> None:
+    import importlib.util
+
+    from verl.trainer import main_ppo
+
+    for module, name in (
+        (main_ppo, "TaskRunner"),  # 0.5, 0.6
+        (main_ppo, "TaskRunnerV1"),  # 0.9, trainer.use_v1 (its default)
+    ):
+        if hasattr(module, name):
+            setattr(module, name, _with_ingest(getattr(module, name)))
+    if importlib.util.find_spec("verl.trainer.main_ppo_v0"):  # 0.9's legacy runner, imported by main when chosen
+        from verl.trainer import main_ppo_v0
+
+        main_ppo_v0.TaskRunner = _with_ingest(main_ppo_v0.TaskRunner)
+    main_ppo.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""``python -m ingest.verl.main_ppo``: verl's own entry point (Hydra config, checks, task runner) of 0.5.0, 0.6.1 and
+0.9.1 (v1 and legacy trainers), each in its oracle environment, with the command line a verl user runs. On this
+CPU machine the run goes through everything verl does before it places its GPU workers: the task runner, the
+datasets (``IngestDataset`` through ``data.custom_cls``, counted by the pipeline), the trainer class (ours), verl's
+dataloader code and step arithmetic; then verl's own resource check stops it, which is the expected end here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ingest.demo import write_gsm8k_parquet
+from ingest.devtools.oracle import oracle_available, oracle_environment
+
+ROWS_KEPT, BATCH, EPOCHS = 103, 8, 2  # 120 rows, every 7th too long for 160 tokens
+# a tiny Qwen2 config beside the offline tokenizer: verl 0.9 reads the model's config before it builds anything
+MODEL_CONFIG = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+CASES = {  # id: (row format of the oracle, trainer class verl builds, overrides of that release)
+    "verl-0.5": ("verl-0.5", "IngestRayPPOTrainer", ["ray_init.num_cpus=8"]),
+    "verl-0.6": ("verl-0.6", "IngestRayPPOTrainer", ["ray_kwargs.ray_init.num_cpus=8"]),
+    "verl-0.9-v1": (
+        "verl-0.9",
+        "IngestPPOTrainerSync",
+        # TransferQueue's storage units take a CPU each (8 by default)
+        ["ray_kwargs.ray_init.num_cpus=8", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"],
+    ),
+    "verl-0.9-legacy": ("verl-0.9", "IngestRayPPOTrainer", ["ray_kwargs.ray_init.num_cpus=8", "trainer.use_v1=false"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
+    row_format, trainer_name, release_overrides = CASES[case]
+    if not oracle_available(row_format):
+        pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    train = write_gsm8k_parquet(tmp_path / "train", 120, num_files=2, row_group_size=20, long_every=7)
+    val = write_gsm8k_parquet(tmp_path / "val", 20, num_files=1, row_group_size=20)
+    overrides = [
+        f"data.train_files=[{','.join(train)}]",
+        f"data.val_files=[{','.join(val)}]",
+        f"data.train_batch_size={BATCH}",
+        "data.max_prompt_length=160",
+        "data.filter_overlong_prompts=true",
+        "data.truncation=left",
+        f"+data.cache_dir={tmp_path / 'cache'}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        "critic.ppo_micro_batch_size_per_gpu=1",
+        "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_epochs={EPOCHS}",
+        "trainer.logger=[console]",
+        *release_overrides,
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "ingest.verl.main_ppo", *overrides],
+        env=oracle_environment(row_format, tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode != 0 and "Total available GPUs 0 is less than total desired GPUs 1" in output, output[-3000:]
+    assert f"[ingest] verl's task runner trains with {trainer_name}" in output
+    assert output.count("Using dataset class: IngestDataset") == 2 and "RLHFDataset" not in output
+    assert f"counted {ROWS_KEPT} rows per epoch" in output
+    steps = ROWS_KEPT // BATCH
+    assert f"Total training steps: {steps * EPOCHS}" in output  # verl's own arithmetic over our length
+    assert f"{trainer_name}: the train and val dataloaders are the ingest pipeline's ({steps} and 1 batches" in output
