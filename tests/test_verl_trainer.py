@@ -95,6 +95,7 @@ def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir,
     assert [s["index"] for s in result["before"] + result["after"]] == [s["index"] for s in whole]
     assert "torch.save(dataloader_state_dict" in result["save_lines"]
     assert "load_state_dict(dataloader_state_dict)" in result["load_lines"]
+    assert ("sampler.update" in result["sampler_lines"]) == (row_format != "verl-0.9")  # ran after every step
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
@@ -124,6 +125,8 @@ def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp
     }
     result = run_verl("trainer_v1", [], model_dir, None, row_format="verl-0.9", timeout=900, **spec)
     assert result["dataset_classes"] == ["IngestDataset", "IngestDataset"]
+    # verl's agent loop extracts each prompt's media through the class data.custom_cls names: verl's own helper
+    assert result["agent_loop"] == {"dataset_class": "IngestDataset", "images": 2, "equal": True, "videos": None}
     gen_batch = BATCH if mode == "sync" else 1
     assert result["gen_batch_size"] == (None if mode == "sync" else 1)
     steps_per_epoch = rows // BATCH

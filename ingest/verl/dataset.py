@@ -6,6 +6,11 @@ hook's stand-in: it reads nothing on construction; its ``len()`` is the rows one
 once and cached, ``length.count_rows``), which verl's own code turns into steps per epoch; and it makes the
 ``VerlDataLoader``\\ s that ``ingest_trainer`` puts in place of the ``StatefulDataLoader``\\ s verl wraps around it.
 Rows come only from those loaders: indexing this object is an error.
+
+Where verl is installed the class derives from its ``RLHFDataset`` for the class-level helpers verl calls on
+whatever class ``data.custom_cls`` names: verl 0.9's agent loop extracts each prompt's images and videos through
+``dataset_cls.process_multi_modal_info`` (or ``process_vision_info``), so the rollout's model inputs are exactly
+those verl's own class makes. Nothing of ``RLHFDataset``'s constructor or row methods runs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from ingest.verl.loader import VerlDataLoader
+
+try:  # verl's class, for its class-level vision helpers (above); a plain torch Dataset where verl is not installed
+    from verl.utils.dataset.rl_dataset import RLHFDataset as _VerlDataset
+except ImportError:
+    _VerlDataset = Dataset
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +55,7 @@ def _model_path(model: Any) -> str | None:
     return getattr(model, "name_or_path", None) or model.tokenizer.name_or_path
 
 
-class IngestDataset(Dataset):
+class IngestDataset(_VerlDataset):
     """verl's dataset constructor signature (``data_files, tokenizer, processor, config, max_samples``); ``len()`` is
     one epoch's rows after the filter and quarantine. ``row_format`` defaults to ``auto`` (the installed verl's)."""
 
@@ -86,6 +96,12 @@ class IngestDataset(Dataset):
             "IngestDataset holds no rows: iterate the trainer's dataloader (ingest_trainer puts the pipeline's "
             "VerlDataLoader there)"
         )
+
+    def __getstate__(self) -> dict:  # RLHFDataset's own expects its dataframe attributes
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def loader(self, batch_size: int | None, *, drop_last: bool, shuffle: bool | None = None) -> VerlDataLoader:
         """The ``VerlDataLoader`` over these files and settings (``batch_size`` None: every row in one batch, as

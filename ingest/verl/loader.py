@@ -54,6 +54,9 @@ class VerlDataLoader(PromptStream):
             ledger=ledger,
         )
         self._num_rows = num_rows
+        # verl 0.5 / 0.6's fit updates a curriculum sampler after each step if the loader has one; the order here is
+        # the pipeline's (seeded per epoch), so there is none
+        self.sampler = None
         if batch_size is None:  # verl's val loader: every row in one batch
             self.batch_size = max(1, self.num_rows)
 

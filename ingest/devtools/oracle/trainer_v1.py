@@ -28,6 +28,33 @@ class _RolloutRecorder:
         self.batches.append(batch)
 
 
+def _agent_loop_vision(data) -> dict:
+    """What verl's agent loop gets from the dataset class it resolves (``get_dataset_class(config.data)``) for a
+    prompt with two images, against ``RLHFDataset``'s own helper."""
+    import asyncio
+
+    import numpy as np
+    from PIL import Image
+    from verl.utils.dataset.rl_dataset import RLHFDataset, get_dataset_class
+
+    dataset_cls = get_dataset_class(data)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((200, 300), (57, 1000))]
+    messages = [
+        {"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": "?"}]}
+    ]
+
+    def extract(cls):
+        return asyncio.run(cls.process_multi_modal_info(messages, image_patch_size=14, config=data))
+
+    ours, verls = extract(dataset_cls), extract(RLHFDataset)
+    same = len(ours[0]) == len(verls[0]) and all(
+        a.size == b.size and a.mode == b.mode and a.tobytes() == b.tobytes()
+        for a, b in zip(ours[0], verls[0], strict=True)
+    )
+    return {"dataset_class": dataset_cls.__name__, "images": len(ours[0]), "equal": same, "videos": ours[1]}
+
+
 def trainer_v1(spec: dict) -> dict:
     import logging
     import sys
@@ -107,6 +134,7 @@ def trainer_v1(spec: dict) -> dict:
         "critic_steps": first.config.critic.optim.total_training_steps,
         "val_batches": [len(b["raw_prompt"]) for b in first.val_dataloader],
     }
+    result["agent_loop"] = _agent_loop_vision(first.config.data)
     result["uninterrupted"] = run(first)
     tq.kv_clear(keys=list(tq.kv_list("train")["train"]), partition_id="train")
     before = new_trainer()

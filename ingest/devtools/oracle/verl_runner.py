@@ -36,6 +36,9 @@ FIT_END = "non_tensor_batch_keys=non_tensor_batch_keys_to_pop,"  # 0.5.0: the po
 FIT_END_GEN_BATCH = "gen_batch = self._get_gen_batch(batch)"  # 0.6 and later
 SAVE_START = 'dataloader_local_path = os.path.join(local_global_step_folder, "data.pt")'
 SAVE_END = "torch.save(dataloader_state_dict, dataloader_local_path)"
+# 0.5 / 0.6: after each step, fit updates a curriculum sampler if the dataloader has one
+SAMPLER_START = "if isinstance(self.train_dataloader.sampler, AbstractCurriculumSampler):"
+SAMPLER_END = "self.train_dataloader.sampler.update(batch=batch)"
 LOAD_START = 'dataloader_local_path = os.path.join(global_step_folder, "data.pt")'
 LOAD_END = 'print(f"Warning: No dataloader state found at {dataloader_local_path}, will start from scratch")'
 
@@ -125,6 +128,7 @@ def trainer(spec):
 
     source = _trainer_source()
     fit_lines = _fit_generation_pops()
+    sampler_lines = _lines(source, SAMPLER_START, SAMPLER_END) if SAMPLER_START in source else ""
     # from the folder's creation just before it (local_mkdir_safe) to the torch.save
     save_at = source.rindex("local_mkdir_safe(local_global_step_folder)", 0, source.index(SAVE_START))
     save_lines = _lines(source, "local_mkdir_safe", SAVE_END, after=save_at)
@@ -159,6 +163,13 @@ def trainer(spec):
                 exec(fit_lines, scope)  # verl's own lines: from_single_dict, uid, the generation pops
                 gen_batch, batch = scope["gen_batch"], scope["batch"]
                 repeated = gen_batch.repeat(repeat_times=trainer.config.actor_rollout_ref.rollout.n, interleave=True)
+                if sampler_lines:  # verl's own lines at the end of each step
+                    from verl.experimental.dataset.sampler import AbstractCurriculumSampler
+
+                    exec(
+                        sampler_lines,
+                        {"self": trainer, "batch": batch, "AbstractCurriculumSampler": AbstractCurriculumSampler},
+                    )
                 trainer.global_steps += 1
                 steps.append(
                     {
@@ -205,6 +216,7 @@ def trainer(spec):
     exec(load_lines, {"self": resumed, "os": os, "torch": torch, "global_step_folder": folder})
     result["after"] = run(resumed)
     result["fit_lines"], result["save_lines"], result["load_lines"] = fit_lines, save_lines, load_lines
+    result["sampler_lines"] = sampler_lines
     return result
 
 
