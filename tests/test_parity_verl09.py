@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import build_dataset
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available
 from ingest.devtools.samples import (
@@ -217,15 +216,18 @@ def test_other_families_image_rows_equal_verl_09(ray_session, geo3k_files, model
         assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
 
 
-def test_qwen3_vl_videos_are_refused_while_filtering(ray_session, model_dir, tmp_path):
-    """Qwen3-VL video prompts carry per-frame timestamps the filter does not measure: refused before reading, and
-    passed through with the filter off (verl 0.9 rows carry the video sources)."""
+@pytest.mark.parametrize("kind,limit", [("frames", 700), ("file", 600)])
+def test_qwen3_vl_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kind, limit):
+    """Qwen3-VL video prompts, measured from headers: qwen-vl-utils sizes by the patch of 16 verl passes, the video
+    processor's budget counts every frame, and its processor writes ``<t seconds>`` before each temporal patch (from
+    the sampled frames' times). Frame lists beside an image, and MPEG-4 files; the limit drops some rows of each."""
     model = qwen3_vl_model_dir(tmp_path / "qwen3-vl", model_dir)
-    files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
-    with pytest.raises(ValueError, match="per-frame timestamps"):
-        build_dataset(files, model, {"row_format": ROW_FORMAT}, processor=model)
-    rows = _ours(files, model, {"filter_overlong_prompts": False}, processor=model)
-    assert sum(len(b["dummy_tensor"]) for b in rows) == 4
+    files = write_video_parquet(tmp_path / "videos", 12, kind=kind, with_images=kind == "frames")
+    config = {"filter_overlong_prompts": True, "max_prompt_length": limit}
+    expected = _verl(files, model, [config], tmp_path / "verl-cache", processor=model)[0]
+    assert "error" not in expected, expected.get("error")
+    assert 0 < len(expected["rows"]) < 12
+    assert_same_batches(_ours(files, model, config, processor=model), expected["batches"])
 
 
 @pytest.mark.parametrize(

@@ -106,18 +106,13 @@ def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan:
     with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
     if not with_videos or "Qwen3VL" not in (family or ""):
         return
-    # Qwen3-VL's processor writes a timestamp before every frame of a video: not built here yet
-    if cfg.row_format == "verl-0.9" and cfg.filter_overlong_prompts:
-        raise ValueError(
-            f"row_format verl-0.9 measures prompts for its overlong filter; {_describe(with_videos[0])} has a "
-            f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
-            "per-frame timestamps not measured here yet (filter_overlong_prompts: false passes them through)"
-        )
+    # Qwen3-VL's processor writes a timestamp before every frame of a video: measured by verl-0.9's filter, not built
+    # into verl-0.6's ids yet
     if cfg.row_format == "verl-0.6":
         raise ValueError(
             f"row_format verl-0.6 builds Qwen3-VL image and text rows; {_describe(with_videos[0])} has a "
             f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
-            "per-frame timestamps not built here yet (verl-0.9 rows with filter_overlong_prompts: false carry them)"
+            "per-frame timestamps not built here yet (verl-0.9 rows carry them)"
         )
 
 

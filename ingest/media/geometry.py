@@ -17,6 +17,7 @@ import numpy as np
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
 
 
 def image_processor_config(path: str | Path) -> dict:
@@ -53,6 +54,7 @@ class VisionSpec:
     processor_class: str = "Qwen2VLImageProcessor"
     video_min_pixels: int = 128 * 28 * 28  # the video processor's own pixel budget per frame
     video_max_pixels: int = 768 * 28 * 28
+    video_processor_class: str = "Qwen2VLVideoProcessor"
 
     @property
     def factor(self) -> int:
@@ -80,7 +82,13 @@ class VisionSpec:
             processor_class=str(config.get("image_processor_type", default.processor_class)),
             video_min_pixels=int(video_min),
             video_max_pixels=int(video_max),
+            video_processor_class=str(video.get("video_processor_type", default.video_processor_class)),
         )
+
+    @property
+    def timestamps_videos(self) -> bool:
+        """Qwen3-VL: its video budget spans all frames, and its processor writes a timestamp before every frame."""
+        return "Qwen3VL" in self.video_processor_class
 
     @property
     def is_qwen2_vl(self) -> bool:
@@ -115,8 +123,57 @@ def image_grid(width: int, height: int, spec: VisionSpec) -> tuple[int, int, int
 
 def video_grid(nframes: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int, int]:
     """``video_grid_thw`` of ``nframes`` frames of ``height`` x ``width`` after the video processor's resize."""
-    h, w = smart_resize(height, width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+    if spec.timestamps_videos:
+        h, w = frames_smart_resize(nframes, height, width, spec)
+    else:
+        h, w = smart_resize(height, width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
     return -(-nframes // spec.temporal_patch_size), h // spec.patch_size, w // spec.patch_size
+
+
+def frames_smart_resize(nframes: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """Qwen3-VL's video resize (transformers ``video_processing_qwen3_vl.smart_resize``): the pixel budget counts
+    every frame (the frame count rounded up to the temporal patch)."""
+    factor = spec.factor
+    if height < factor or width < factor:
+        raise ValueError(f"height:{height} or width:{width} must be larger than factor:{factor}")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = math.ceil(nframes / spec.temporal_patch_size) * spec.temporal_patch_size
+    if t_bar * h_bar * w_bar > spec.video_max_pixels:
+        beta = math.sqrt((nframes * height * width) / spec.video_max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < spec.video_min_pixels:
+        beta = math.sqrt(spec.video_min_pixels / (nframes * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def timestamped_video_text(text: str, videos: list[tuple[tuple[int, int, int], list[float]]]) -> str:
+    """``text`` with each video's ``<|vision_start|><|video_pad|><|vision_end|>`` (in order) written out as the
+    Qwen3-VL processor writes it: per temporal patch ``<t seconds>``, then that patch's pads between vision start and
+    end. Each patch keeps one pad token here (the caller adds the rest: special tokens split the text, so the count
+    is exact)."""
+    placeholder = "<|ingest_video_patch|>"
+    for (patches, _, _), times in videos:
+        expanded = "".join(f"<{times[t]:.1f} seconds>{VISION_START}{placeholder}{VISION_END}" for t in range(patches))
+        text = text.replace(f"{VISION_START}{VIDEO_PAD}{VISION_END}", expanded, 1)
+    return text.replace(placeholder, VIDEO_PAD)
+
+
+def frame_timestamps(frames_indices: list[int], fps: float, temporal_patch_size: int) -> list[float]:
+    """Qwen3-VL's per-temporal-patch timestamps (seconds; its processor's ``_calculate_timestamps``): the last index
+    repeated to a whole patch, each patch the mean of its first and last frame's time."""
+    indices = list(frames_indices)
+    if len(indices) % temporal_patch_size:
+        indices += [indices[-1]] * (temporal_patch_size - len(indices) % temporal_patch_size)
+    times = [i / fps for i in indices]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
 def grid_tokens(grid: tuple[int, int, int], spec: VisionSpec) -> int:

@@ -131,9 +131,10 @@ def frame_indices(options: dict, total_frames: int, video_fps: float) -> list[in
     return torch.linspace(first, last, nframes).round().long().tolist()
 
 
-def video_size(nframes: int, height: int, width: int, options: dict) -> tuple[int, int]:
-    """fetch_video's final (height, width) for ``nframes`` frames of ``height`` x ``width``."""
-    factor = PATCH_SIZE * SPATIAL_MERGE
+def video_size(nframes: int, height: int, width: int, options: dict, patch_size: int = PATCH_SIZE) -> tuple[int, int]:
+    """fetch_video's final (height, width) for ``nframes`` frames of ``height`` x ``width`` (``patch_size``: the
+    ``image_patch_size`` its caller passes; verl 0.9 passes the processor's, 16 for Qwen3-VL)."""
+    factor = patch_size * SPATIAL_MERGE
     min_pixels = options.get("min_pixels", VIDEO_MIN_TOKENS * factor * factor)
     total_pixels = options.get("total_pixels", MODEL_SEQ_LEN * factor * factor * 0.9)
     max_pixels = max(
@@ -145,9 +146,10 @@ def video_size(nframes: int, height: int, width: int, options: dict) -> tuple[in
     return qwen_smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
-def frame_image_size(width: int, height: int, options: dict) -> tuple[int, int]:
-    """(width, height) ``fetch_image`` resizes one list frame to (qwen-vl-utils 0.0.14 passes 28 as the patch size)."""
-    factor = PATCH_SIZE * SPATIAL_MERGE * SPATIAL_MERGE
+def frame_image_size(width: int, height: int, options: dict, patch_size: int = PATCH_SIZE) -> tuple[int, int]:
+    """(width, height) ``fetch_image`` resizes one list frame to (qwen-vl-utils 0.0.14 passes twice the patch size
+    as the patch size there: 28 for 14)."""
+    factor = patch_size * SPATIAL_MERGE * SPATIAL_MERGE
     if "resized_height" in options and "resized_width" in options:
         h, w = qwen_smart_resize(options["resized_height"], options["resized_width"], factor)
     else:
@@ -213,8 +215,9 @@ def _open_container(data: bytes):
     return av.open(io.BytesIO(data), mode="r")
 
 
-def probe_video(value, storage_options: dict | None = None) -> VideoPlan:
-    """Plan one video from headers only (container metadata, image headers): no pixel is decoded."""
+def probe_video(value, storage_options: dict | None = None, patch_size: int = PATCH_SIZE) -> VideoPlan:
+    """Plan one video from headers only (container metadata, image headers): no pixel is decoded. ``patch_size``:
+    the ``image_patch_size`` fetch_video is called with."""
     source, options = video_options(value)
     factor_size = None
     if isinstance(source, str):
@@ -237,7 +240,7 @@ def probe_video(value, storage_options: dict | None = None) -> VideoPlan:
         from ingest.media.image import image_size
 
         plan_data = [read_image_bytes(frame, storage_options) for frame in source]
-        sizes = {frame_image_size(*image_size(b), options) for b in plan_data}
+        sizes = {frame_image_size(*image_size(b), options, patch_size) for b in plan_data}
         if len(sizes) != 1:
             raise ValueError(f"video frames resize to different sizes {sorted(sizes)} (verl cannot stack them)")
         ((frame_w, frame_h),) = sizes
@@ -256,7 +259,7 @@ def probe_video(value, storage_options: dict | None = None) -> VideoPlan:
     else:
         raise ValueError(VIDEO_FORMAT_HELP)
     h, w = factor_size or (frame_h, frame_w)
-    height, width = video_size(len(indices), h, w, options)
+    height, width = video_size(len(indices), h, w, options, patch_size)
     return VideoPlan(isinstance(source, str), plan_data, indices, frame_w, frame_h, height, width, metadata)
 
 

@@ -26,7 +26,15 @@ from ingest.blocks import (
 )
 from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError, redact
-from ingest.media.geometry import VisionSpec, fetch_image_size, grid_tokens, image_grid, video_grid
+from ingest.media.geometry import (
+    VisionSpec,
+    fetch_image_size,
+    frame_timestamps,
+    grid_tokens,
+    image_grid,
+    timestamped_video_text,
+    video_grid,
+)
 from ingest.media.image import check_complete, image_size, read_image_bytes
 from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
@@ -111,9 +119,20 @@ class RawPromptStage(PromptTokenizeStage):
                 continue
             if measure and row_videos:
                 try:
-                    plans = [probe_video(value, cfg.storage_options) for value in row_videos]
+                    patch = cfg.image_patch_size or self.vision.patch_size  # what verl 0.9 hands qwen-vl-utils
+                    plans = [probe_video(value, cfg.storage_options, patch) for value in row_videos]
                     grids = [video_grid(p.nframes, p.height, p.width, self.vision) for p in plans]
-                    media_tokens[i] += sum(grid_tokens(g, self.vision) - 1 for g in grids)
+                    if self.vision.timestamps_videos:  # one pad per temporal patch stays in the text
+                        times = [
+                            frame_timestamps(
+                                p.metadata["frames_indices"], p.metadata["fps"], self.vision.temporal_patch_size
+                            )
+                            for p in plans
+                        ]
+                        texts[i] = timestamped_video_text(texts[i], list(zip(grids, times, strict=True)))
+                        media_tokens[i] += sum(grid_tokens(g, self.vision) - g[0] for g in grids)
+                    else:
+                        media_tokens[i] += sum(grid_tokens(g, self.vision) - 1 for g in grids)
                 except Exception as exc:
                     reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
                     bad[i] = self._error(table, i, reason, cfg.video_key)
