@@ -1,9 +1,11 @@
 """``tool_config_path``: the tool schemas verl 0.6.1 and 0.9.1 give the chat template in their overlong filter, against
 those releases themselves. A Qwen2.5 template (it prints the tools into the system turn) makes the schemas count: with
 them some prompts are over the limit that are under it without. The rows themselves are rendered without tools, as
-verl renders them."""
+verl renders them. Image prompts too: the processor's template with a tools block in front."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import yaml
@@ -102,3 +104,32 @@ def test_filter_with_tools_equals_verl(ray_session, tool_data, tmp_path, row_for
     prompt = [{"role": "user", "content": "hi"}]
     tokenizer = ChatTokenizer(model)
     assert "calc_gsm8k_reward" in tokenizer.render(prompt, tools=tool_schemas(tools))
+
+
+# the tools block of the Qwen2.5 template, in front of the offline processor's own (Qwen2-VL) template
+TOOLS_BLOCK = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
+    "\n</tools><|im_end|>\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("row_format", ["verl-0.6", "verl-0.9"])
+def test_filter_with_tools_on_image_prompts_equals_verl(ray_session, geo3k_files, model_dir, tmp_path, row_format):
+    """verl's processor path renders the image prompt with the tools where it measures it; ours adds the schemas'
+    tokens to the expanded length measured from the image headers."""
+    if not oracle_available(row_format):
+        pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
+    model = tmp_path / "vl-tools"
+    shutil.copytree(model_dir, model)
+    template = model / "chat_template.jinja"
+    template.write_text(TOOLS_BLOCK + template.read_text())
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump(TOOL_CONFIG, sort_keys=False))
+    config = {"max_prompt_length": 900, "filter_overlong_prompts": True, "truncation": "right"}
+    with_tools = {**config, "tool_config_path": str(tools)}
+    runs = formats.verl(geo3k_files, str(model), [with_tools, config], tmp_path, row_format, BATCH, str(model))
+    assert not any("error" in run for run in runs), [run.get("error") for run in runs]
+    ours = formats.ours(geo3k_files, str(model), with_tools, row_format, BATCH, processor=str(model))
+    assert_same_batches(ours, runs[0]["batches"])
+    kept_with, kept_without = (sum(len(b["index"]) for b in run["batches"]) for run in runs)
+    assert 0 < kept_with < kept_without  # the schemas decide some image rows
