@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ingest.devtools.oracle.verl_runner import _lines, _processor, _tokenizer
+from ingest.devtools.oracle.verl_runner import _lines, _processor, _tokenizer, run_save_lines
 
 SAVE_FROM = "local_mkdir_safe(local_global_step_folder)"
 SAVE_TO = "torch.save(self.train_dataloader.state_dict(), dataloader_local_path)"
@@ -106,17 +106,7 @@ def trainer_v1(spec: dict) -> dict:
                 step["stored_index"] = [int(i) for i in fields["index"]]
             steps.append(step)
             if trainer.global_steps == stop_after:
-                folder = os.path.join(spec["checkpoint_dir"], f"global_step_{trainer.global_steps}")
-                exec(  # verl's own lines
-                    save_lines,
-                    {
-                        "self": trainer,
-                        "os": os,
-                        "torch": torch,
-                        "local_global_step_folder": folder,
-                        "local_mkdir_safe": lambda p: os.makedirs(p, exist_ok=True),
-                    },
-                )
+                run_save_lines(save_lines, trainer, spec["checkpoint_dir"])
                 break
         return steps
 

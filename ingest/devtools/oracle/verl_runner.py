@@ -103,6 +103,16 @@ def dataproto(spec):
     return {"code": code, "batches": results}
 
 
+def run_save_lines(save_lines: str, trainer, checkpoint_dir: str) -> None:
+    """verl's own checkpoint lines that write ``data.pt``, run on ``trainer`` (its step's folder in
+    ``checkpoint_dir``)."""
+    import torch
+
+    folder = os.path.join(checkpoint_dir, f"global_step_{trainer.global_steps}")
+    scope = {"self": trainer, "os": os, "torch": torch, "local_global_step_folder": folder}
+    exec(save_lines, {**scope, "local_mkdir_safe": lambda p: os.makedirs(p, exist_ok=True)})
+
+
 def _task_runner_module():
     """The module of verl's legacy ``TaskRunner`` (its ``create_rl_dataset`` / ``create_rl_sampler``)."""
     import importlib.util
@@ -183,17 +193,7 @@ def trainer(spec):
                 if trainer.global_steps >= trainer.total_training_steps:
                     return steps
                 if stop_after is not None and trainer.global_steps == stop_after:
-                    folder = os.path.join(spec["checkpoint_dir"], f"global_step_{trainer.global_steps}")
-                    exec(  # verl's own lines
-                        save_lines,
-                        {
-                            "self": trainer,
-                            "os": os,
-                            "torch": torch,
-                            "local_global_step_folder": folder,
-                            "local_mkdir_safe": lambda p: os.makedirs(p, exist_ok=True),
-                        },
-                    )
+                    run_save_lines(save_lines, trainer, spec["checkpoint_dir"])
                     return steps
         return steps
 
