@@ -33,12 +33,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
-from ingest.datasets.rl import build_dataset
 from ingest.read.units import UnitIndex
-from ingest.rowformat.collate import VerlCollate
+from ingest.resumable import ResumableBatches
 
 SHARD_STATE_VERSION = 1
 
@@ -166,7 +164,7 @@ def reshard_states(states: Sequence[Mapping[str, Any]], num_shards: int) -> list
     return split_shard_state(merge_shard_states(states), num_shards)
 
 
-class PromptShard:
+class PromptShard(ResumableBatches):
     """Shard ``shard`` of ``num_shards``: an iterable of collated verl batches over its share of each epoch's read
     units, one epoch per ``iter()``, resumable (also under another shard count, through ``reshard_states``).
 
@@ -187,20 +185,12 @@ class PromptShard:
         drop_last: bool = False,
         ledger=None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
-        self.files = files
-        self.tokenizer = tokenizer
-        self.processor = processor
-        self.config = DataConfig.from_any(config)
-        self.batch_size = batch_size
+        super().__init__(
+            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
+        )
         self.shard, self.num_shards = shard, num_shards
-        self.collate_fn = collate_fn or VerlCollate(row_format=self.config.row_format)
-        self.drop_last = drop_last
-        self.ledger = ledger
-        self.epoch = 0
         self._queue: list[list[int]] | None = None  # [unit, kept rows of it already handed out]; None: the rule
         self._rows = 0  # rows handed out in this epoch
         self._batches = 0
@@ -273,18 +263,7 @@ class PromptShard:
         self.set_epoch(self.epoch + 1)
 
     def _blocks(self, plan: InputPlan) -> Iterator[pa.Table]:
-        units = [plan.units[u] for u, _ in self._queue]
-        ds = build_dataset(
-            plan.files,
-            self.tokenizer,
-            self.config,
-            self.processor,
-            epoch=self.epoch,
-            plan=InputPlan(plan.files, plan.infos, units),
-            ledger=self.ledger,
-            keep_provenance=True,
-        )
-        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+        return self._read(plan, [plan.units[u] for u, _ in self._queue])
 
     def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         # rows of a partly read unit come again in the same order (seeded), so its first ``skip`` are the ones
@@ -326,4 +305,4 @@ class PromptShard:
         self._queue[0] = [last, self._queue[0][1] + int((units == last).sum())]
         self._rows += table.num_rows
         self._batches += 1
-        return self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
+        return self._collate(table)

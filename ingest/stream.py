@@ -23,19 +23,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.local import DriverUnits, driver_can_start
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
-from ingest.datasets.rl import build_dataset
 from ingest.memory import return_freed_heap
 from ingest.read.units import UnitIndex
-from ingest.rowformat.collate import VerlCollate
+from ingest.resumable import ResumableBatches
 
 STATE_VERSION = 1
 
 
-class PromptStream:
+class PromptStream(ResumableBatches):
     """Iterable of collated verl batches over ``files``, one epoch per ``iter()``, resumable mid-epoch.
 
     ``tokenizer``, ``config`` and ``processor`` are what ``build_dataset`` takes; ``collate_fn`` defaults to
@@ -60,18 +58,10 @@ class PromptStream:
         ledger=None,
         driver_first_batch: bool = True,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.files = files
-        self.tokenizer = tokenizer
-        self.processor = processor
-        self.config = DataConfig.from_any(config)
-        self.batch_size = batch_size
-        self.collate_fn = collate_fn or VerlCollate(row_format=self.config.row_format)
-        self.drop_last = drop_last
-        self.ledger = ledger  # a RunLedger actor: counts of what each (re)started epoch read
+        super().__init__(
+            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
+        )
         self.driver_first_batch = driver_first_batch
-        self.epoch = 0
         self._unit = 0  # position: order index of the unit the next row comes from ...
         self._rows = 0  # ... and how many of its kept rows were already yielded
         self._batches = 0  # batches yielded in this epoch
@@ -156,17 +146,7 @@ class PromptStream:
             del driver  # its tokenizer (~100 MiB) is not needed again this epoch: the actors make the rest
             return_freed_heap()
         if units[local:]:
-            ds = build_dataset(
-                plan.files,
-                self.tokenizer,
-                self.config,
-                self.processor,
-                epoch=self.epoch,
-                plan=InputPlan(plan.files, plan.infos, units[local:]),
-                ledger=self.ledger,
-                keep_provenance=True,
-            )
-            yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+            yield from self._read(plan, units[local:])
 
     def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart
@@ -196,4 +176,4 @@ class PromptStream:
         self._rows = self._rows + in_last if last == self._unit else in_last
         self._unit = last
         self._batches += 1
-        return self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
+        return self._collate(table)
