@@ -88,3 +88,24 @@ def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
     steps = ROWS_KEPT // BATCH
     assert f"Total training steps: {steps * EPOCHS}" in output  # verl's own arithmetic over our length
     assert f"{trainer_name}: the train and val dataloaders are the ingest pipeline's ({steps} and 1 batches" in output
+
+
+def test_another_dataset_class_and_max_samples_are_refused(model_dir, tmp_path):
+    """The pipeline makes the rows: a ``data.custom_cls`` naming another class, and verl 0.9's
+    ``train_max_samples`` (a sample of the loaded table), are errors before anything is read."""
+    from omegaconf import OmegaConf
+
+    from ingest.verl import IngestDataset
+    from ingest.verl.main_ppo import _select_ingest_dataset
+
+    config = OmegaConf.create({"data": {"custom_cls": {"path": "pkg://my.datasets", "name": "Mine"}}})
+    with pytest.raises(ValueError, match="selects Mine from pkg://my.datasets"):
+        _select_ingest_dataset(config)
+    config = OmegaConf.create({"data": {"custom_cls": {"path": None, "name": None}}})
+    _select_ingest_dataset(config)
+    assert config.data.custom_cls == {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}
+    files = write_gsm8k_parquet(tmp_path / "data", 8, num_files=1)
+    with pytest.raises(ValueError, match="max_samples = 5: not supported"):
+        IngestDataset(files, model_dir, None, {}, max_samples=5)
+    with pytest.raises(TypeError, match="holds no rows"):
+        IngestDataset(files, model_dir, None, {}, max_samples=-1)[0]
