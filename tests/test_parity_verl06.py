@@ -1,6 +1,6 @@
 """``row_format: verl-0.6`` against verl 0.6.1 itself: same keys, dtypes, shapes, values, row count and order, batch
 by batch: text prompts; image prompts with Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors and video prompts (frame lists
-and files) with Qwen2-VL and Qwen2.5-VL ((4, M) positions)."""
+and files) with Qwen2-VL, Qwen2.5-VL and Qwen3-VL ((4, M) positions; Qwen3-VL's per-frame timestamps)."""
 
 from __future__ import annotations
 
@@ -94,12 +94,24 @@ def test_image_rows_equal_verl_06(ray_session, geo3k_files, model_dir, tmp_path_
         assert_same_batches(ours, expected["batches"])
 
 
-# (dataset kind, with images, processor family, config): the 700-token limit filters the two-video frame-list rows
+# (dataset kind, with images, processor family, config; the filter on unless it says): the 700-token limit filters
+# the two-video frame-list rows, Qwen3-VL's (fewer tokens per frame) at 400 tokens its two longest rows
+FILTERING_LIMITS = (400, 700)
 VIDEO_CASES = {
     "frames": ("frames", False, "qwen2-vl", {"truncation": "left", "max_prompt_length": 700, "return_raw_chat": True}),
     "file": ("file", False, "qwen2-vl", {"truncation": "right", "max_prompt_length": 1100}),
     "file qwen2.5-vl": ("file", False, "qwen2.5-vl", {"truncation": "left", "max_prompt_length": 1100}),
     "frames+image": ("frames", True, "qwen2-vl", {"truncation": "left", "max_prompt_length": 2048}),
+    # Qwen3-VL: a timestamp before each temporal patch, the rope index over per-patch grids, the 3-D pixel budget
+    "frames+image qwen3-vl": ("frames", True, "qwen3-vl", {"truncation": "left", "max_prompt_length": 2048}),
+    "frames qwen3-vl filtered": ("frames", False, "qwen3-vl", {"truncation": "right", "max_prompt_length": 400}),
+    "file qwen3-vl": ("file", False, "qwen3-vl", {"truncation": "left", "max_prompt_length": 1100}),
+    "file qwen3-vl unfiltered": (
+        "file",
+        True,
+        "qwen3-vl",
+        {"truncation": "left", "max_prompt_length": 4096, "filter_overlong_prompts": False},
+    ),
 }
 
 
@@ -123,9 +135,10 @@ def test_video_rows_equal_verl_06(ray_session, model_dir, tmp_path_factory, name
     build = _FAMILIES.get(family)
     model = model_dir if build is None else build(tmp_path_factory.mktemp(family), model_dir)
     files = write_video_parquet(tmp_path_factory.mktemp("videos"), 12, kind=kind, with_images=images)
-    config = {**config, "filter_overlong_prompts": True}
+    config = {"filter_overlong_prompts": True, **config}
     expected = _verl(files, model, [config], tmp_path_factory.mktemp("verl-cache"), model, batch_size=4)[0]
     assert "error" not in expected, expected.get("error")
+    assert (len(expected["rows"]) < 12) == (config["max_prompt_length"] in FILTERING_LIMITS)
     ours = _ours(files, model, config, processor=model, batch_size=4)
     videos = [v for b in ours for media in b["multi_modal_data"] for v in media.get("video", ())]
     assert videos and all(isinstance(v, tuple) and v[0].dtype == np.float32 for v in videos)
@@ -134,13 +147,10 @@ def test_video_rows_equal_verl_06(ray_session, model_dir, tmp_path_factory, name
     assert_same_batches(ours, _with_reader(expected["batches"], "pyav"))
 
 
-def test_qwen3_vl_videos_and_other_processors_are_refused_before_reading(ray_session, model_dir, tmp_path):
-    """Qwen3-VL's per-frame timestamps and processors outside verl 0.6's Qwen-VL rope branch are not built: one error
-    naming them, before any data is read."""
+def test_other_processors_are_refused_before_reading(ray_session, model_dir, tmp_path):
+    """Processors outside verl 0.6's Qwen-VL rope branch are not built: one error naming them, before any data is
+    read."""
     files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
-    qwen3 = qwen3_vl_model_dir(tmp_path / "qwen3-vl", model_dir)
-    with pytest.raises(ValueError, match="per-frame timestamps not built"):
-        build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=qwen3)
     other = tmp_path / "other"
     qwen25_vl_model_dir(other, model_dir)
     config = other / "processor_config.json"

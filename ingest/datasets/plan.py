@@ -88,8 +88,8 @@ _ROPE_PROCESSORS = {"verl-0.5": _QWEN2_VL_PROCESSORS, "verl-0.6": (*_QWEN2_VL_PR
 
 
 def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan: InputPlan) -> None:
-    """A processor family or a medium that ``cfg.row_format`` does not build: one error naming both, before any data
-    is read (a processor given by hub name is checked in the actors, where it loads)."""
+    """A processor family that ``cfg.row_format`` does not build: one error naming both, before any data is read (a
+    processor given by hub name is checked in the actors, where it loads)."""
     if processor is None:
         return
     from ingest.media.geometry import processor_class
@@ -102,17 +102,6 @@ def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan:
         raise ValueError(
             f"row_format {cfg.row_format} builds the rows of the Qwen-VL processors {', '.join(built)}; "
             f"the processor {processor} is a {family} (verl-0.9 rows carry the media for any processor)"
-        )
-    with_videos = [info.path for info in plan.infos if cfg.video_key in info.schema.names]
-    if not with_videos or "Qwen3VL" not in (family or ""):
-        return
-    # Qwen3-VL's processor writes a timestamp before every frame of a video: measured by verl-0.9's filter, not built
-    # into verl-0.6's ids yet
-    if cfg.row_format == "verl-0.6":
-        raise ValueError(
-            f"row_format verl-0.6 builds Qwen3-VL image and text rows; {_describe(with_videos[0])} has a "
-            f"{cfg.video_key!r} column and the processor {processor} is a {family}, whose video prompts carry "
-            "per-frame timestamps not built here yet (verl-0.9 rows carry them)"
         )
 
 

@@ -31,9 +31,19 @@ from ingest.blocks import (
 )
 from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError, redact, secret_values
-from ingest.media.geometry import IMAGE_PAD, VIDEO_PAD, VISION_START, VisionSpec, grid_tokens, image_grid, video_grid
+from ingest.media.geometry import (
+    IMAGE_PAD,
+    VIDEO_PAD,
+    VISION_START,
+    VisionSpec,
+    frame_timestamps,
+    grid_tokens,
+    image_grid,
+    timestamped_video_text,
+    video_grid,
+)
 from ingest.media.image import image_size, read_image_bytes
-from ingest.media.video import VideoPlan, probe_video
+from ingest.media.video import PATCH_SIZE, VideoPlan, probe_video
 from ingest.rowformat.messages import build_messages, validate_messages
 from ingest.rowformat.rope import rope_position_ids, with_text_positions
 from ingest.rowformat.text import extra_info_columns, flatten_ids, list_column, pad_flat, tensor_column, truncate
@@ -75,6 +85,12 @@ class PromptTokenizeStage:
         if vision is not None:
             ids = [tokenizer.token_id(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)]
             self.image_pad_id, self.video_pad_id, self.vision_start_id = ids
+        # verl 0.6 hands qwen-vl-utils data.image_patch_size (default 14) for videos; 0.5.0 leaves qwen-vl-utils' 14
+        self.video_patch_size = PATCH_SIZE
+        if config.row_format == "verl-0.6":
+            self.video_patch_size = config.image_patch_size or PATCH_SIZE
+        # Qwen3-VL's processor writes each video's frames out with a timestamp before each one (verl 0.6's ids)
+        self.timestamps_videos = vision is not None and vision.timestamps_videos
 
     def _error(self, table: pa.Table, i: int, reason: str, column: str | None = None) -> BadRowError:
         return row_error(self.files, table, i, reason, column or self.config.prompt_key)
@@ -166,13 +182,16 @@ class PromptTokenizeStage:
                     continue
             if videos is not None and videos[i] is not None:
                 try:
-                    video_plans[i] = [probe_video(value, cfg.storage_options) for value in videos[i]]
+                    video_plans[i] = [
+                        probe_video(value, cfg.storage_options, self.video_patch_size) for value in videos[i]
+                    ]
                     video_grids[i] = [video_grid(p.nframes, p.height, p.width, self.vision) for p in video_plans[i]]
                 except Exception as exc:
                     reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
                     bad[i] = self._error(table, i, reason, cfg.video_key)
 
         ids = self.tokenizer.encode_batch(texts)
+        model_ids, video_token_grids = self._timestamped_ids(texts, ids, video_plans, video_grids, bad)
         expanded_lengths = np.zeros(n, dtype=np.int64)
         for i, row_ids in enumerate(ids):
             extra = 0
@@ -188,13 +207,13 @@ class PromptTokenizeStage:
                     reason = f"{placeholders} <video> placeholders for {len(video_grids[i])} videos"
                     bad[i] = self._error(table, i, reason, cfg.video_key)
                     continue
-                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i] + video_grids[i])
-            expanded_lengths[i] = len(row_ids) + extra
+                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i] + video_token_grids[i])
+            expanded_lengths[i] = len(model_ids[i]) + extra
 
         max_len = cfg.max_prompt_length
         if self.vision is not None and not cfg.filter_overlong_prompts and cfg.truncation != "error":
             for i in np.flatnonzero(expanded_lengths > max_len).tolist():
-                if self._truncation_cuts_media(ids[i], grids[i], video_grids[i]):
+                if self._truncation_cuts_media(model_ids[i], grids[i], video_token_grids[i]):
                     column = cfg.image_key if grids[i] else cfg.video_key
                     reason = (
                         f"truncation={cfg.truncation!r} to max_prompt_length={max_len} cuts into the image / video "
@@ -233,16 +252,42 @@ class PromptTokenizeStage:
         rows = self._rows(
             table,
             [ids[i] for i in kept],
+            [model_ids[i] for i in kept],
             [texts[i] for i in kept],
             [messages_out[i] for i in kept],
             [media_bytes[i] for i in kept],
             [grids[i] for i in kept],
             [video_plans[i] for i in kept],
             [video_grids[i] for i in kept],
+            [video_token_grids[i] for i in kept],
             has_media,
             expanded_lengths[kept],
         )
         return StageResult(rows, counts, quarantine)
+
+    def _timestamped_ids(
+        self, texts: list[str], ids: list[list[int]], video_plans: list, video_grids: list, bad: dict
+    ) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
+        """The ids the processor tokenizes before pad expansion, and the grids their video pads expand by.
+
+        Without Qwen3-VL videos these are ``ids`` and ``video_grids``. A Qwen3-VL video is written out per temporal
+        patch (``<t seconds>``, vision start, one pad, vision end; its processor's text), so its pads expand by
+        (1, h, w) grids, one per temporal patch: verl 0.6's Qwen3-VL rope index splits the grids the same way."""
+        rows = [i for i, plans in enumerate(video_plans) if plans and i not in bad] if self.timestamps_videos else []
+        if not rows:
+            return ids, video_grids
+        model_ids, token_grids = list(ids), list(video_grids)
+        written = []
+        for i in rows:
+            times = [
+                frame_timestamps(p.metadata["frames_indices"], p.metadata["fps"], self.vision.temporal_patch_size)
+                for p in video_plans[i]
+            ]
+            written.append(timestamped_video_text(texts[i], list(zip(video_grids[i], times, strict=True))))
+            token_grids[i] = [(1, h, w) for t, h, w in video_grids[i] for _ in range(t)]
+        for i, row_ids in zip(rows, self.tokenizer.encode_batch(written), strict=True):
+            model_ids[i] = row_ids
+        return model_ids, token_grids
 
     def _account(self, table: pa.Table, bad: dict, valid, keep, lengths) -> tuple[BatchCounts, list, np.ndarray]:
         """A batch's counts, quarantine records and kept row positions. On the processor path the decode stage counts
@@ -294,7 +339,19 @@ class PromptTokenizeStage:
         return out
 
     def _rows(
-        self, table, ids, texts, messages, media_bytes, grids, video_plans, video_grids, has_media, prompt_tokens
+        self,
+        table,
+        ids,
+        model_ids,
+        texts,
+        messages,
+        media_bytes,
+        grids,
+        video_plans,
+        video_grids,
+        video_token_grids,
+        has_media,
+        prompt_tokens,
     ) -> pa.Table:
         cfg = self.config
         raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
@@ -304,16 +361,16 @@ class PromptTokenizeStage:
             tensors[MAX_LENGTH_COLUMN] = pa.array(np.full(n, cfg.max_prompt_length, dtype=np.int32))
             tensors[PAD_ID_COLUMN] = pa.array(np.full(n, self.tokenizer.pad_token_id, dtype=np.int64))
         else:
-            model_ids = [
+            expanded = [
                 truncate(self._expand(x, g, v), cfg.max_prompt_length, cfg.truncation)
-                for x, g, v in zip(ids, grids, video_grids, strict=True)
+                for x, g, v in zip(model_ids, grids, video_token_grids, strict=True)
             ]
-            flat, lengths = flatten_ids(model_ids)
+            flat, lengths = flatten_ids(expanded)
             input_ids, attention_mask, position_ids = pad_flat(
                 flat, lengths, cfg.max_prompt_length, self.tokenizer.pad_token_id
             )
             if self.vision.is_qwen2_vl:
-                position_ids = self._rope_positions(input_ids, attention_mask, grids, video_grids)
+                position_ids = self._rope_positions(input_ids, attention_mask, grids, video_token_grids)
                 if cfg.row_format == "verl-0.6":
                     position_ids = with_text_positions(position_ids, attention_mask)
             tensors["input_ids"] = tensor_column(input_ids)

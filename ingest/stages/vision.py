@@ -126,7 +126,11 @@ class VisionStage:
         return self._video_processor
 
     def video_pixel_values(self, videos: list) -> tuple[np.ndarray, np.ndarray]:
-        out = self.video_processor(videos=videos, return_tensors="pt", device=self.device)
+        # the frames are fetch_video's sample already (verl passes do_sample_frames=False; Qwen3-VL's default samples);
+        # verl hands the processor fetch_video's float frames, so a second resize (Qwen3-VL's 32-pixel factor) is not
+        # rounded to bytes
+        videos = [video.float() for video in videos]
+        out = self.video_processor(videos=videos, return_tensors="pt", device=self.device, do_sample_frames=False)
         return out["pixel_values_videos"].float().cpu().numpy(), out["video_grid_thw"].cpu().numpy().astype(np.int64)
 
     def __call__(self, table: pa.Table) -> pa.Table:
