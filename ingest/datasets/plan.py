@@ -87,7 +87,7 @@ _QWEN2_VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 _ROPE_PROCESSORS = {"verl-0.5": _QWEN2_VL_PROCESSORS, "verl-0.6": (*_QWEN2_VL_PROCESSORS, "Qwen3VLProcessor")}
 
 
-def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None, plan: InputPlan) -> None:
+def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None) -> None:
     """A processor family that ``cfg.row_format`` does not build: one error naming both, before any data is read (a
     processor given by hub name is checked in the actors, where it loads)."""
     if processor is None:

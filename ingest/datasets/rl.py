@@ -43,7 +43,7 @@ def build_dataset(
     if processor is not None:
         check_model_path(processor, "processor")
     plan = plan or plan_input(files, cfg, epoch=epoch, multimodal=processor is not None)
-    check_row_format(cfg, processor, plan)
+    check_row_format(cfg, processor)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
     if processor is not None:  # text rows have no media pools to lay out
