@@ -96,13 +96,13 @@ def test_another_dataset_class_and_max_samples_are_refused(model_dir, tmp_path):
     from omegaconf import OmegaConf
 
     from ingest.verl import IngestDataset
-    from ingest.verl.main_ppo import _select_ingest_dataset
+    from ingest.verl.dataset import select_ingest_dataset
 
     config = OmegaConf.create({"data": {"custom_cls": {"path": "pkg://my.datasets", "name": "Mine"}}})
     with pytest.raises(ValueError, match="selects Mine from pkg://my.datasets"):
-        _select_ingest_dataset(config)
+        select_ingest_dataset(config)
     config = OmegaConf.create({"data": {"custom_cls": {"path": None, "name": None}}})
-    _select_ingest_dataset(config)
+    select_ingest_dataset(config)
     assert config.data.custom_cls == {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}
     files = write_gsm8k_parquet(tmp_path / "data", 8, num_files=1)
     with pytest.raises(ValueError, match="max_samples = 5: not supported"):

@@ -34,6 +34,21 @@ logger = logging.getLogger(__name__)
 CUSTOM_CLS = {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}
 
 
+def select_ingest_dataset(config: Any) -> None:
+    """Point a verl config's ``data.custom_cls`` at ``IngestDataset`` (an OmegaConf config, changed in place); another
+    class there is an error: the pipeline makes the rows."""
+    from omegaconf import open_dict
+
+    chosen = config.data.get("custom_cls") or {}
+    if chosen.get("path") not in (None, CUSTOM_CLS["path"]):
+        raise ValueError(
+            f"data.custom_cls selects {chosen.get('name')} from {chosen.get('path')}: the ingest pipeline makes the "
+            "rows, so it cannot use another dataset class; remove data.custom_cls"
+        )
+    with open_dict(config):
+        config.data.custom_cls = dict(CUSTOM_CLS)
+
+
 def data_mapping(config: Any) -> dict:
     """A verl ``data:`` section (an OmegaConf ``DictConfig``, resolved, or any mapping) as a plain dict."""
     try:

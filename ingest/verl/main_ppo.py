@@ -14,23 +14,10 @@ import logging
 import sys
 from typing import Any
 
-from ingest.verl.dataset import CUSTOM_CLS
+from ingest.verl.dataset import CUSTOM_CLS, select_ingest_dataset
 from ingest.verl.trainer import ingest_trainer, is_ingest_trainer
 
 logger = logging.getLogger(__name__)
-
-
-def _select_ingest_dataset(config: Any) -> None:
-    from omegaconf import open_dict
-
-    chosen = config.data.get("custom_cls") or {}
-    if chosen.get("path") not in (None, CUSTOM_CLS["path"]):
-        raise ValueError(
-            f"data.custom_cls selects {chosen.get('name')} from {chosen.get('path')}: the ingest pipeline makes the "
-            "rows, so it cannot use another dataset class; remove data.custom_cls"
-        )
-    with open_dict(config):
-        config.data.custom_cls = dict(CUSTOM_CLS)
 
 
 def _use_ingest_trainer(config: Any, run_function: Any) -> str:
@@ -60,7 +47,7 @@ class _IngestRun:
         if not ingest_logs.handlers:
             ingest_logs.addHandler(logging.StreamHandler(sys.stdout))
             ingest_logs.propagate = False  # verl configures the root logger too: each line once
-        _select_ingest_dataset(config)
+        select_ingest_dataset(config)
         after = type(self).__mro__[type(self).__mro__.index(_IngestRun) + 1 :]  # verl's classes
         verl_run = inspect.unwrap(next(vars(c)["run"] for c in after if "run" in vars(c)))
         name = _use_ingest_trainer(config, verl_run)

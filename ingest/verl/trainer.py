@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ingest.verl.dataset import CUSTOM_CLS, IngestDataset, data_mapping
+from ingest.verl.dataset import CUSTOM_CLS, IngestDataset, data_mapping, select_ingest_dataset
 from ingest.verl.loader import VerlDataLoader
 
 logger = logging.getLogger(__name__)
@@ -92,17 +92,8 @@ def ingest_trainer(trainer_cls: type) -> type:
 def _v1_trainer(trainer_cls: type) -> type:
     class IngestPPOTrainer(trainer_cls):
         def _init_dataloader(self):
-            from omegaconf import open_dict
-
+            select_ingest_dataset(self.config)
             data = self.config.data
-            chosen = data.get("custom_cls") or {}
-            if chosen.get("path") not in (None, CUSTOM_CLS["path"]):
-                raise ValueError(
-                    f"data.custom_cls selects {chosen.get('name')} from {chosen.get('path')}: the ingest pipeline "
-                    "makes the rows, so it cannot use another dataset class; remove data.custom_cls"
-                )
-            with open_dict(self.config):
-                data.custom_cls = dict(CUSTOM_CLS)
             super()._init_dataloader()  # verl's own: IngestDataset stand-ins, its samplers, its step arithmetic
             self.train_dataloader, self.val_dataloader = _loaders(self.train_dataset, self.val_dataset, data)
             self.train_dataloader_it = None
