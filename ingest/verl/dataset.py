@@ -15,7 +15,6 @@ those verl's own class makes. Nothing of ``RLHFDataset``'s constructor or row me
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,8 +26,6 @@ try:  # verl's class, for its class-level vision helpers (above); a plain torch 
     from verl.utils.dataset.rl_dataset import RLHFDataset as _VerlDataset
 except ImportError:
     _VerlDataset = Dataset
-
-logger = logging.getLogger(__name__)
 
 # verl's ``data.custom_cls`` entry that selects this class (``pkg://`` imports a module by name in verl 0.5 to 0.9)
 CUSTOM_CLS = {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}

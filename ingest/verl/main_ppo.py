@@ -17,8 +17,6 @@ from typing import Any
 from ingest.verl.dataset import CUSTOM_CLS, select_ingest_dataset
 from ingest.verl.trainer import ingest_trainer, is_ingest_trainer
 
-logger = logging.getLogger(__name__)
-
 
 def _use_ingest_trainer(config: Any, run_function: Any) -> str:
     """Point what ``run`` builds at ``ingest_trainer``'s class: the v1 trainer registry entry of the configured mode
@@ -73,12 +71,9 @@ def main() -> None:
 
     from verl.trainer import main_ppo
 
-    for module, name in (
-        (main_ppo, "TaskRunner"),  # 0.5, 0.6
-        (main_ppo, "TaskRunnerV1"),  # 0.9, trainer.use_v1 (its default)
-    ):
-        if hasattr(module, name):
-            setattr(module, name, _with_ingest(getattr(module, name)))
+    for name in ("TaskRunner", "TaskRunnerV1"):  # 0.5 / 0.6; 0.9 with trainer.use_v1 (its default)
+        if hasattr(main_ppo, name):
+            setattr(main_ppo, name, _with_ingest(getattr(main_ppo, name)))
     if importlib.util.find_spec("verl.trainer.main_ppo_v0"):  # 0.9's legacy runner, imported by main when chosen
         from verl.trainer import main_ppo_v0
 
