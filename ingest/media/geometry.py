@@ -154,13 +154,14 @@ def frames_smart_resize(nframes: int, height: int, width: int, spec: VisionSpec)
     return h_bar, w_bar
 
 
-def timestamped_video_text(text: str, videos: list[tuple[tuple[int, int, int], list[float]]]) -> str:
-    """``text`` with each video's ``<|vision_start|><|video_pad|><|vision_end|>`` (in order) written out as the
-    Qwen3-VL processor writes it: per temporal patch ``<t seconds>``, then that patch's pads between vision start and
-    end. Each patch keeps one pad token here (the caller adds the rest: special tokens split the text, so the count
-    is exact)."""
+def timestamped_video_text(text: str, grids: list[tuple[int, int, int]], metadata: list[dict], spec: VisionSpec) -> str:
+    """``text`` with each video's ``<|vision_start|><|video_pad|><|vision_end|>`` (in order; its grid and its
+    fetch_video ``metadata``: ``frames_indices``, ``fps``) written out as the Qwen3-VL processor writes it: per
+    temporal patch ``<t seconds>``, then that patch's pads between vision start and end. Each patch keeps one pad token
+    here (the caller adds the rest: special tokens split the text, so the count is exact)."""
     placeholder = "<|ingest_video_patch|>"
-    for (patches, _, _), times in videos:
+    for (patches, _, _), video in zip(grids, metadata, strict=True):
+        times = frame_timestamps(video["frames_indices"], video["fps"], spec.temporal_patch_size)
         expanded = "".join(f"<{times[t]:.1f} seconds>{VISION_START}{placeholder}{VISION_END}" for t in range(patches))
         text = text.replace(f"{VISION_START}{VIDEO_PAD}{VISION_END}", expanded, 1)
     return text.replace(placeholder, VIDEO_PAD)

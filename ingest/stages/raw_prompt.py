@@ -29,7 +29,6 @@ from ingest.errors import BadRowError, redact
 from ingest.media.geometry import (
     VisionSpec,
     fetch_image_size,
-    frame_timestamps,
     grid_tokens,
     image_grid,
     timestamped_video_text,
@@ -123,13 +122,7 @@ class RawPromptStage(PromptTokenizeStage):
                     plans = [probe_video(value, cfg.storage_options, patch) for value in row_videos]
                     grids = [video_grid(p.nframes, p.height, p.width, self.vision) for p in plans]
                     if self.vision.timestamps_videos:  # one pad per temporal patch stays in the text
-                        times = [
-                            frame_timestamps(
-                                p.metadata["frames_indices"], p.metadata["fps"], self.vision.temporal_patch_size
-                            )
-                            for p in plans
-                        ]
-                        texts[i] = timestamped_video_text(texts[i], list(zip(grids, times, strict=True)))
+                        texts[i] = timestamped_video_text(texts[i], grids, [p.metadata for p in plans], self.vision)
                         media_tokens[i] += sum(grid_tokens(g, self.vision) - g[0] for g in grids)
                     else:
                         media_tokens[i] += sum(grid_tokens(g, self.vision) - 1 for g in grids)

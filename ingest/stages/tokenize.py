@@ -36,7 +36,6 @@ from ingest.media.geometry import (
     VIDEO_PAD,
     VISION_START,
     VisionSpec,
-    frame_timestamps,
     grid_tokens,
     image_grid,
     timestamped_video_text,
@@ -279,11 +278,8 @@ class PromptTokenizeStage:
         model_ids, token_grids = list(ids), list(video_grids)
         written = []
         for i in rows:
-            times = [
-                frame_timestamps(p.metadata["frames_indices"], p.metadata["fps"], self.vision.temporal_patch_size)
-                for p in video_plans[i]
-            ]
-            written.append(timestamped_video_text(texts[i], list(zip(video_grids[i], times, strict=True))))
+            metadata = [p.metadata for p in video_plans[i]]
+            written.append(timestamped_video_text(texts[i], video_grids[i], metadata, self.vision))
             token_grids[i] = [(1, h, w) for t, h, w in video_grids[i] for _ in range(t)]
         for i, row_ids in zip(rows, self.tokenizer.encode_batch(written), strict=True):
             model_ids[i] = row_ids
