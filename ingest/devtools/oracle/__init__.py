@@ -8,13 +8,16 @@ pyarrow and PIL.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"  # the verl 0.5.0 oracle's directory, where it is not the repository's
@@ -57,32 +60,117 @@ def run_verl(
     **extra,
 ) -> dict:
     """Run ``verl_runner.py MODE`` with the verl release of ``row_format`` and return what it wrote (rows / batches
-    for ``rows``, timings for ``bench``)."""
+    for ``rows``, timings for ``bench``). ``rows`` requests go to one long-lived runner per release
+    (``OracleServer``); every other mode gets a process of its own."""
     if not oracle_available(row_format):
         raise RuntimeError(f"the {row_format} oracle is not installed in {oracle_dir(row_format)} (run `make oracle`)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.pkl"
         spec = {"files": files, "tokenizer": tokenizer, "config": config, "out": str(out), **extra}
-        env = oracle_environment(row_format, Path(tmp))
-        # its own process group, killed whole if we stop early: verl's DataLoader / datasets workers are its children
-        with subprocess.Popen(
-            [sys.executable, str(RUNNER), mode, json.dumps(spec)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp,
-            start_new_session=True,
-        ) as proc:
-            try:
-                _, stderr = proc.communicate(timeout=timeout)
-            except BaseException:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise
-        if proc.returncode != 0:
-            raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{stderr[-4000:]}")
+        if mode == "rows":
+            OracleServer.of(row_format).request(spec, Path(tmp), timeout)
+        else:
+            _run_once(mode, spec, row_format, Path(tmp), timeout)
         with open(out, "rb") as f:
             return pickle.load(f)
+
+
+def _run_once(mode: str, spec: dict, row_format: str, scratch: Path, timeout: float) -> None:
+    env = oracle_environment(row_format, scratch)
+    # its own process group, killed whole if we stop early: verl's DataLoader / datasets workers are its children
+    with subprocess.Popen(
+        [sys.executable, str(RUNNER), mode, json.dumps(spec)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=scratch,
+        start_new_session=True,
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"verl oracle failed ({proc.returncode}):\n{stderr[-4000:]}")
+
+
+class OracleServer:
+    """One ``verl_runner.py serve`` process per verl release, kept for this process's life and killed with it:
+    each ``rows`` request then costs verl's own work, not a new interpreter importing torch, transformers and
+    verl (seconds each on a small machine, and a test session makes dozens). Requests are served one at a time; the
+    tokenizer and processor are loaded afresh for each, and each gets its own HF datasets cache."""
+
+    _running: dict[str, OracleServer] = {}
+
+    @classmethod
+    def of(cls, row_format: str) -> OracleServer:
+        server = cls._running.get(row_format)
+        if server is None or server.proc.poll() is not None:
+            server = cls._running[row_format] = cls(row_format)
+        return server
+
+    def __init__(self, row_format: str):
+        self.row_format = row_format
+        self.scratch = tempfile.TemporaryDirectory()
+        requests_read, self._requests = os.pipe()
+        self._responses, responses_write = os.pipe()
+        self.log = open(Path(self.scratch.name) / "runner.log", "w+")  # verl prints; the tail explains a failure
+        spec = {"requests": requests_read, "responses": responses_write}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), "serve", json.dumps(spec)],
+            env=oracle_environment(row_format, Path(self.scratch.name)),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=self.scratch.name,
+            pass_fds=(requests_read, responses_write),
+            start_new_session=True,
+        )
+        os.close(requests_read)
+        os.close(responses_write)
+        self._pending = b""
+        atexit.register(self.close)
+
+    def request(self, spec: dict, scratch: Path, timeout: float) -> None:
+        """Run one ``rows`` spec; raises with the runner's error (or its log's tail, if it died)."""
+        line = json.dumps({**spec, "hf_datasets_cache": str(scratch / "hf-datasets")}) + "\n"
+        try:
+            os.write(self._requests, line.encode())
+            answer = self._answer(timeout)
+        except BaseException:
+            self.close()  # a request cut short leaves the runner mid-work: the next one starts a new runner
+            raise
+        if "error" in answer:
+            raise RuntimeError(f"verl oracle failed:\n{answer['error'][-4000:]}")
+
+    def _answer(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._responses], [], [], left)[0]:
+                raise TimeoutError(f"verl oracle gave no answer in {timeout:.0f} s")
+            chunk = os.read(self._responses, 1 << 16)
+            if not chunk:
+                self.log.seek(0)
+                raise RuntimeError(f"verl oracle runner exited ({self.proc.wait()}):\n{self.log.read()[-4000:]}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        os.close(self._requests)
+        os.close(self._responses)
+        self.log.close()
+        self.scratch.cleanup()
+        atexit.unregister(self.close)
+        if OracleServer._running.get(self.row_format) is self:
+            del OracleServer._running[self.row_format]
 
 
 def run_verl_dataproto(batches: list[dict], repeat: int = 2, timeout: float = 600) -> dict:

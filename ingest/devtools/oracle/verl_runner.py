@@ -1,6 +1,8 @@
-"""Runs verl 0.5.0 (inside the oracle environment). Usage: verl_runner.py rows|bench|dataproto SPEC_JSON.
+"""Runs a verl release (inside its oracle environment). Usage: verl_runner.py MODE SPEC_JSON.
 
 rows:  every ``__getitem__`` row, and verl's ``collate_fn`` over consecutive batches, pickled.
+serve: ``rows`` requests one after another from a pipe (``oracle.run_verl`` keeps one such process per release, so a
+       test session pays the interpreter, torch, transformers and verl imports once per release, not once per run).
 bench: RLHFDataset + DataLoader(num_workers, batch_size, collate_fn) end to end: time to first batch and rows/s.
 dataproto: batches pickled by our side (``spec["batches"]``, a pickle file) go through verl's own trainer code:
        ``DataProto.from_single_dict`` and the generation pops, the lines executed as they stand in
@@ -257,59 +259,101 @@ def main():
             pickle.dump(trainer_v1(spec), f)
         return
 
+    if mode == "serve":
+        _serve(spec)
+        return
     # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch
     # ops on its intra-op thread pool deadlocks. One thread per process keeps the fork safe (results are the same).
     if mode == "rows":
         torch.set_num_threads(1)
-    import transformers
+        _rows(spec)
+        return
+    if mode != "bench":
+        raise SystemExit(f"unknown mode {mode}")
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
-    # the oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1), not this environment's
-    oracle_dir = os.environ["PYTHONPATH"].split(os.pathsep)[0]
-    assert os.path.realpath(transformers.__file__).startswith(os.path.realpath(oracle_dir)), transformers.__file__
+    if spec.get("stateful"):  # what verl's trainer iterates
+        from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
+    else:
+        from torch.utils.data import DataLoader
+    _check_oracle_transformers()
     config = OmegaConf.create(spec.get("config") or {})
     started = time.perf_counter()
     tokenizer = _tokenizer(spec["tokenizer"])
     processor = _processor(spec.get("processor"))
-    result = {}
-    if mode == "rows":  # one result per config in spec["configs"] (one process start for many configs)
-        result["runs"] = []
-        for one in spec.get("configs", [spec["config"]]):
-            try:
-                dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
-                rows = [dataset[i] for i in range(len(dataset))]
-            except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
-                result["runs"].append({"error": f"{type(exc).__name__}: {exc}"})
-                continue
-            batch_size = spec.get("batch_size", 16)
-            batches = [collate_fn(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
-            result["runs"].append({"rows": rows, "batches": batches})
-    elif mode == "bench":
-        if spec.get("stateful"):  # what verl's trainer iterates
-            from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
-        else:
-            from torch.utils.data import DataLoader
-
-        dataset = RLHFDataset(spec["files"], tokenizer, config, processor)
-        loader = DataLoader(
-            dataset,
-            batch_size=spec.get("batch_size", 64),
-            num_workers=spec.get("num_workers", 2),
-            collate_fn=collate_fn,
-            shuffle=False,
-        )
-        first, rows = None, 0
-        for batch in loader:
-            if first is None:
-                first = time.perf_counter() - started
-            rows += len(next(iter(batch.values())))  # every key has one entry per row
-        total = time.perf_counter() - started
-        result = {"rows": rows, "seconds": total, "time_to_first_batch_s": first, "rows_per_s": rows / total}
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    dataset = RLHFDataset(spec["files"], tokenizer, config, processor)
+    loader = DataLoader(
+        dataset,
+        batch_size=spec.get("batch_size", 64),
+        num_workers=spec.get("num_workers", 2),
+        collate_fn=collate_fn,
+        shuffle=False,
+    )
+    first, rows = None, 0
+    for batch in loader:
+        if first is None:
+            first = time.perf_counter() - started
+        rows += len(next(iter(batch.values())))  # every key has one entry per row
+    total = time.perf_counter() - started
+    result = {"rows": rows, "seconds": total, "time_to_first_batch_s": first, "rows_per_s": rows / total}
     with open(spec["out"], "wb") as f:
         pickle.dump(result, f)
+
+
+def _check_oracle_transformers() -> None:
+    """The oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1), not this environment's."""
+    import transformers
+
+    oracle_dir = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.realpath(transformers.__file__).startswith(os.path.realpath(oracle_dir)), transformers.__file__
+
+
+def _rows(spec: dict) -> None:
+    """Every ``__getitem__`` row and the collated batches, one result per config in ``spec["configs"]``, pickled to
+    ``spec["out"]``; tokenizer and processor loaded fresh for each request."""
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    _check_oracle_transformers()
+    tokenizer = _tokenizer(spec["tokenizer"])
+    processor = _processor(spec.get("processor"))
+    runs = []
+    for one in spec.get("configs", [spec["config"]]):
+        try:
+            dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
+            rows = [dataset[i] for i in range(len(dataset))]
+        except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
+            runs.append({"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        batch_size = spec.get("batch_size", 16)
+        batches = [collate_fn(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+        runs.append({"rows": rows, "batches": batches})
+    with open(spec["out"], "wb") as f:
+        pickle.dump({"runs": runs}, f)
+
+
+def _serve(spec: dict) -> None:
+    """``rows`` requests (a JSON spec per line on fd ``spec["requests"]``), each answered by one JSON line on fd
+    ``spec["responses"]``: ``{}`` once its result is written, ``{"error": traceback}`` if it failed. Each request
+    gets a fresh HF datasets cache (a warm one would replay verl's overlong filter from disk)."""
+    import traceback
+
+    import datasets.config
+    import torch
+
+    torch.set_num_threads(1)  # as in rows mode: verl's filter forks its workers from this process
+    with os.fdopen(spec["requests"]) as requests, os.fdopen(spec["responses"], "w") as responses:
+        for line in requests:
+            request = json.loads(line)
+            datasets.config.HF_DATASETS_CACHE = request.pop("hf_datasets_cache")
+            try:
+                _rows(request)
+                answer = {}
+            except Exception:
+                answer = {"error": traceback.format_exc()}
+            responses.write(json.dumps(answer) + "\n")
+            responses.flush()
 
 
 if __name__ == "__main__":
