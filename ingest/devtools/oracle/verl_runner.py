@@ -259,14 +259,11 @@ def main():
             pickle.dump(trainer_v1(spec), f)
         return
 
-    if mode == "serve":
-        _serve(spec)
-        return
     # datasets forks a worker pool for verl's filter pass (num_proc >= 1); a child forked after the parent ran torch
     # ops on its intra-op thread pool deadlocks. One thread per process keeps the fork safe (results are the same).
-    if mode == "rows":
+    if mode in ("rows", "serve"):
         torch.set_num_threads(1)
-        _rows(spec)
+        (_serve if mode == "serve" else _rows)(spec)
         return
     if mode != "bench":
         raise SystemExit(f"unknown mode {mode}")
@@ -340,9 +337,7 @@ def _serve(spec: dict) -> None:
     import traceback
 
     import datasets.config
-    import torch
 
-    torch.set_num_threads(1)  # as in rows mode: verl's filter forks its workers from this process
     with os.fdopen(spec["requests"]) as requests, os.fdopen(spec["responses"], "w") as responses:
         for line in requests:
             request = json.loads(line)
