@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from ingest.config import DataConfig
+from ingest.datasets.handoff import ClusterHandoff
 from ingest.datasets.local import DriverUnits, driver_can_start
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.memory import return_freed_heap
@@ -40,9 +41,9 @@ class PromptStream(ResumableBatches):
     ``VerlCollate()``. Iterating yields the rest of the current epoch, then moves the state to the next epoch
     (position 0), so ``for epoch in ...: for batch in stream: ...`` walks epochs. ``drop_last`` drops a final short
     batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
-    ``driver_first_batch``: the rows of each (re)started epoch's first batch are made in this process, the rest by
-    the actors (``datasets.local``; not where the vision stage runs on GPU actors): the first batch does not wait
-    for Ray to start.
+    ``driver_first_batch``: each (re)started epoch's first batch is made in this process before Ray starts, and the
+    next ones while the cluster and the actors start; the actors make the rest (``datasets.local``,
+    ``datasets.handoff``; not where the vision stage runs on GPU actors).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class PromptStream(ResumableBatches):
         self._rows = 0  # ... and how many of its kept rows were already yielded
         self._batches = 0  # batches yielded in this epoch
         self._fingerprint: str | None = None
+        self._actors_start_s: float | None = None  # the last handoff's wait for the actors' first block
 
     # --- state ----------------------------------------------------------------------------------------------------
 
@@ -123,30 +125,44 @@ class PromptStream(ResumableBatches):
         self.set_epoch(self.epoch + 1)
 
     def _blocks(self, plan: InputPlan) -> Iterator[pa.Table]:
-        """The epoch's blocks from the position on: the first batch's units made in this process where the stages
-        are light (``datasets.local``: no cluster, worker or actor start before it), the rest by ``build_dataset``,
-        created when those rows are used up."""
+        """The epoch's blocks from the position on: made in this process where the stages are light
+        (``datasets.local``), the first batch before any cluster, worker or actor starts; then, while the cluster
+        starts beside it, the driver goes on until the unit where the actors take over (``datasets.handoff``)."""
         units = plan.units[self._unit :]
-        local = 0
-        if self.driver_first_batch and driver_can_start(self.config, self.processor):
-            driver = DriverUnits(
-                plan,
-                self.config,
-                plan.context(self.ledger, True, self.config.image_key),
-                self.tokenizer,
-                self.processor,
-                epoch=self.epoch,
-            )
-            rows = 0
-            while local < len(units) and rows < self._rows + self.batch_size:  # the rows to skip, then one batch
+        if not (self.driver_first_batch and driver_can_start(self.config, self.processor)):
+            yield from self._read(plan, units)
+            return
+        driver = DriverUnits(
+            plan,
+            self.config,
+            plan.context(self.ledger, True, self.config.image_key),
+            self.tokenizer,
+            self.processor,
+            epoch=self.epoch,
+        )
+        handoff: ClusterHandoff | None = None
+        local = rows = 0
+        try:
+            while local < len(units):
+                if rows >= self._rows + self.batch_size:  # the rows to skip and one batch are made
+                    if handoff is None:
+                        handoff = ClusterHandoff(
+                            lambda first: self._read(plan, units[first:]), len(units), local, self._actors_start_s
+                        )
+                    if not handoff.claim(local):
+                        break
                 for block in driver(units[local]):
                     rows += block.num_rows
                     yield block
                 local += 1
             del driver  # its tokenizer (~100 MiB) is not needed again this epoch: the actors make the rest
             return_freed_heap()
-        if units[local:]:
-            yield from self._read(plan, units[local:])
+            if local < len(units):
+                yield from handoff.blocks()
+                self._actors_start_s = handoff.actors_start_s
+        finally:
+            if handoff is not None:
+                handoff.close()
 
     def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart

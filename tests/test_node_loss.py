@@ -133,20 +133,21 @@ def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_i
 
 
 def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(model_dir, tmp_path):
-    """A shuffled ``PromptStream`` epoch: 4 batches, two workers lost, 4 more batches, ``state_dict()``; the stream
-    is closed and a new one on the cluster that is left loads the state and reads the rest. The rows before and
-    after the state are the reference epoch (an uninterrupted stream on the whole cluster)."""
+    """A shuffled ``PromptStream`` epoch: 8 batches (the first ones made in the driver, then the actors'), two
+    workers lost, 4 more batches, ``state_dict()``; the stream is closed and a new one on the cluster that is left
+    loads the state and reads the rest. The rows before and after the state are the reference epoch (an
+    uninterrupted stream on the whole cluster)."""
     from ingest.demo import write_gsm8k_parquet
 
     files = write_gsm8k_parquet(tmp_path, 1200, num_files=3, row_group_size=20)
     config = {**TEXT_CONFIG, "shuffle": True, "seed": 5}
     spec = {"mode": "state", "files": files, "model": model_dir, "config": config, "batch_size": 16}
-    result = _run(spec | {"after": 4, "state_at": 8})
+    result = _run(spec | {"after": 8, "state_at": 12})
     reference, loss = result["reference"]["rows"], result["loss"]
     _lost_busy_nodes(result)
     assert sorted(i for i, _ in reference) == list(range(1200))
     assert [i for i, _ in reference] != list(range(1200))  # shuffled: the state's position is not a row count
-    assert loss["state"]["batches"] == 8 and len(loss["before"]) == 8 * 16
+    assert loss["state"]["batches"] == 12 and len(loss["before"]) == 12 * 16
     assert loss["before"] + loss["rest"] == reference  # none lost, none twice, in order, each row equal
 
 

@@ -4,9 +4,14 @@ decode and vision pools. Every actor is built with the run's ``DataConfig`` and 
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import sys
+import threading
 import time
+from concurrent.futures import Future
 from typing import Literal
 
 import ray
@@ -18,6 +23,9 @@ from ingest.errors import IngestError
 # How long a cluster address gets to answer before the run gives up on it. A live GCS answers in milliseconds;
 # ray.init itself would retry a dead one for ~10 minutes (20 connection attempts of ~40 s each in Ray 2.60).
 RAY_JOIN_TIMEOUT_S = 5.0
+# ensure_ray runs in the background starter thread (ensure_ray_soon) as well as in the caller's
+_RAY_START = threading.Lock()
+_starting: Future | None = None
 
 
 class RayJoinError(IngestError, ConnectionError):
@@ -31,9 +39,54 @@ def ensure_ray() -> None:
 
     The address ``ray.init`` would join (``RAY_ADDRESS``, else the one an earlier ``ray start`` recorded) is probed
     first: one that does not answer raises ``RayJoinError`` within ``RAY_JOIN_TIMEOUT_S``."""
-    if not ray.is_initialized():
-        check_ray_address()
-        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
+    with _RAY_START:
+        if not ray.is_initialized():
+            check_ray_address()
+            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
+
+
+def ensure_ray_soon() -> Future:
+    """``ensure_ray`` in a background thread; the future is done once the cluster is joined or started (or holds
+    the error). The thread stays, blocked, for the life of the process: the processes of a local cluster get a kill
+    signal when the thread that started them ends (Linux's parent-death signal is per thread)."""
+    global _starting
+    with _RAY_START:
+        if ray.is_initialized():
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        if _starting is None or _starting.done():
+            _starting = Future()
+            if threading.current_thread() is threading.main_thread():
+                _exit_on_sigterm()
+            threading.Thread(target=_start_and_stay, args=(_starting,), name="ingest-ray-start", daemon=True).start()
+        return _starting
+
+
+def _start_and_stay(started: Future) -> None:
+    quiet = _NotMainThreadWarning()
+    logging.getLogger(ray.init.__module__).addFilter(quiet)  # this thread is not the main one on purpose
+    try:
+        ensure_ray()
+    except BaseException as error:
+        started.set_exception(error)
+        return
+    finally:
+        logging.getLogger(ray.init.__module__).removeFilter(quiet)
+    started.set_result(None)
+    threading.Event().wait()
+
+
+def _exit_on_sigterm() -> None:
+    """What ``ray.init`` does in the main thread and cannot do in another: SIGTERM exits through ``sys.exit``, so
+    atexit's ``ray.shutdown`` stops the local cluster. Only where nobody set a handler."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+
+class _NotMainThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def ray_address_to_join() -> tuple[str, str] | None:
