@@ -100,6 +100,38 @@ def test_ray_address_to_closed_port_fails_fast(ray_tmpdir):
     assert "connection refused" in message
 
 
+STREAM = """
+import json, sys
+from ingest import PromptStream
+files, model = json.loads(sys.argv[1])
+made = 0
+try:
+    for batch in PromptStream(files, model, {"shuffle": False}, 16):
+        made += 1
+except ConnectionError as exc:
+    print(json.dumps({"error": str(exc), "type": type(exc).__name__, "batches": made}))
+"""
+
+
+def test_prompt_stream_to_a_dead_address_raises_after_its_first_batches(ray_tmpdir, variety_files, model_dir):
+    """The stream's cluster starts in a background thread while the driver makes rows: a dead address still raises
+    ``RayJoinError`` to the consumer (after the batches of the driver's first read unit, made before any cluster), not
+    an epoch quietly made in the driver."""
+    port = closed_port()
+    proc = subprocess.run(
+        [sys.executable, "-c", STREAM, json.dumps([variety_files, model_dir])],
+        env=cluster_env(RAY_TMPDIR=str(ray_tmpdir), RAY_ADDRESS=f"127.0.0.1:{port}"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["type"] == "RayJoinError" and f"RAY_ADDRESS=127.0.0.1:{port}" in result["error"], result
+    assert result["batches"] >= 1
+
+
 def test_silent_listener_fails_within_the_probe_timeout(ray_tmpdir, monkeypatch):
     """A head that accepts connections but never answers (frozen, or its port taken by a silent program): the TCP
     connect succeeds, the GCS request times out."""

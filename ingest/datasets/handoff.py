@@ -55,6 +55,7 @@ class ClusterHandoff:
         self._claimed = first_unit + 1  # units [0, _claimed) are the driver's: first_unit is the one it makes now
         self._claimed_at_start = first_unit
         self._split: int | None = None
+        self._error: BaseException | None = None
         self._expected_start_s = expected_start_s
         self._queue: queue.Queue = queue.Queue(maxsize=self.QUEUE_BLOCKS)
         self._closed = threading.Event()
@@ -70,8 +71,11 @@ class ClusterHandoff:
         return self._split
 
     def claim(self, unit: int) -> bool:
-        """True when the driver makes ``unit`` (it is before the split, or the split is not chosen yet)."""
+        """True when the driver makes ``unit`` (it is before the split, or the split is not chosen yet); raises what
+        stopped the background work (a cluster that did not start), so an epoch never ends without saying so."""
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._split is not None and unit >= self._split:
                 return False
             self._claimed = max(self._claimed, unit + 1)
@@ -132,4 +136,6 @@ class ClusterHandoff:
                 blocks.close()
             self._put(_Done())
         except BaseException as error:  # handed to the consumer's thread, raised there
+            with self._lock:
+                self._error = error
             self._put(_Failed(error))

@@ -47,14 +47,16 @@ def ensure_ray() -> None:
 
 def ensure_ray_soon() -> Future:
     """``ensure_ray`` in a background thread; the future is done once the cluster is joined or started (or holds
-    the error). The thread stays, blocked, for the life of the process: the processes of a local cluster get a kill
-    signal when the thread that started them ends (Linux's parent-death signal is per thread)."""
+    the error). The address to join is probed here first, so a dead one raises ``RayJoinError`` in the caller. The
+    thread stays, blocked, for the life of the process: the processes of a local cluster get a kill signal when the
+    thread that started them ends (Linux's parent-death signal is per thread)."""
     global _starting
     with _RAY_START:
         if ray.is_initialized():
             done: Future = Future()
             done.set_result(None)
             return done
+        check_ray_address()
         if _starting is None or _starting.done():
             _starting = Future()
             if threading.current_thread() is threading.main_thread():
