@@ -71,8 +71,8 @@ class ClusterHandoff:
         return self._split
 
     def claim(self, unit: int) -> bool:
-        """True when the driver makes ``unit`` (it is before the split, or the split is not chosen yet); raises what
-        stopped the background work (a cluster that did not start), so an epoch never ends without saying so."""
+        """True when the driver makes ``unit`` (it is before the split, or the split is not chosen yet); raises why
+        the cluster did not start, so an epoch never ends in the driver without saying so."""
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -137,5 +137,6 @@ class ClusterHandoff:
             self._put(_Done())
         except BaseException as error:  # handed to the consumer's thread, raised there
             with self._lock:
-                self._error = error
-            self._put(_Failed(error))
+                if self._split is None:  # the cluster did not start: no actor will make any unit
+                    self._error = error
+            self._put(_Failed(error))  # the actors' errors come after the rows before them, as without a handoff

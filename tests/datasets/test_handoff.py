@@ -55,13 +55,17 @@ def test_a_split_past_the_end_leaves_every_unit_to_the_driver(ray_session):
     handoff.close()
 
 
-def test_the_actors_error_reaches_the_consumer(ray_session):
+def test_the_actors_error_reaches_the_consumer_after_the_rows_before_it(ray_session):
+    """An error in the actors' read comes out of ``blocks()`` after their earlier blocks, not at the driver's next
+    ``claim`` (which would put it before rows that precede it)."""
+
     def failing(first: int):
         yield pa.table({"unit": [first]})
         raise ValueError("bad unit")
 
     handoff = ClusterHandoff(failing, 5, first_unit=0, expected_start_s=0.0)
     split = _wait_for_split(handoff)
+    time.sleep(0.5)  # the read has failed by now
     assert not handoff.claim(split)
     blocks = handoff.blocks()
     assert next(blocks)["unit"][0].as_py() == split
