@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -24,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def release_pipelines_after_each_test():
+    """A pipeline whose iteration raised stays alive (its actors holding the session's CPUs) while the exception's
+    traceback cycle keeps its iterator; such cycles go only when the garbage collector runs. Collecting after every
+    test shuts those pipelines down, so a later test's actors are never left waiting for CPUs."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
