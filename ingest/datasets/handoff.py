@@ -94,11 +94,12 @@ class ClusterHandoff:
     def close(self) -> None:
         self._closed.set()
 
-    def _choose_split(self, init_s: float) -> int:
+    def _choose_split(self) -> int:
+        """Called once the cluster is up: ``elapsed`` is how long joining or starting it took."""
         with self._lock:
             elapsed = time.perf_counter() - self._started
             rate = (self._claimed - self._claimed_at_start) / elapsed if elapsed > 0 else 0.0
-            expected = self._expected_start_s if self._expected_start_s is not None else init_s
+            expected = self._expected_start_s if self._expected_start_s is not None else elapsed
             self._split = min(self.num_units, self._claimed + math.ceil(rate * expected))
             logger.info(
                 "cluster ready after %.1f s; the driver makes read units up to %d of %d, the actors the rest",
@@ -120,7 +121,7 @@ class ClusterHandoff:
     def _run(self) -> None:
         try:
             self._cluster.result()
-            split = self._choose_split(time.perf_counter() - self._started)
+            split = self._choose_split()
             if self._closed.is_set() or split >= self.num_units:
                 self._put(_Done())
                 return
