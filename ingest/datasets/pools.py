@@ -39,9 +39,14 @@ def ensure_ray() -> None:
 
     The address ``ray.init`` would join (``RAY_ADDRESS``, else the one an earlier ``ray start`` recorded) is probed
     first: one that does not answer raises ``RayJoinError`` within ``RAY_JOIN_TIMEOUT_S``."""
+    _join_or_start(probe=True)
+
+
+def _join_or_start(probe: bool) -> None:
     with _RAY_START:
         if not ray.is_initialized():
-            check_ray_address()
+            if probe:
+                check_ray_address()
             ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
 
 
@@ -69,7 +74,7 @@ def _start_and_stay(started: Future) -> None:
     quiet = _NotMainThreadWarning()
     logging.getLogger(ray.init.__module__).addFilter(quiet)  # this thread is not the main one on purpose
     try:
-        ensure_ray()
+        _join_or_start(probe=False)  # ensure_ray_soon probed the address before starting this thread
     except BaseException as error:
         started.set_exception(error)
         return
