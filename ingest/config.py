@@ -142,7 +142,8 @@ class DataConfig:
     # first batch then waits for two small units, not for full ones
     read_first_unit_rows: int = 128
     tokenizer_pool_min_size: int = 1
-    tokenizer_pool_max_size: int = 2
+    # None: chosen from the cluster (ingest/datasets/layout.py): text rows one per CPU but one, media rows 2
+    tokenizer_pool_max_size: int | None = None
     tokenizer_batch_size: int = 256  # rows per map_batches call on a tokenizer actor
     tokenizer_num_cpus: float = 0.5  # per actor; reads run inside these actors (Ray Data fuses them)
     decode_pool_min_size: int = 1
@@ -195,7 +196,7 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         for pool in ("tokenizer", "decode", "vision"):
             low, high = getattr(self, f"{pool}_pool_min_size"), getattr(self, f"{pool}_pool_max_size")
-            if pool in ("decode", "vision") and high in (0, None):  # the actors before / the cluster's layout
+            if high is None or (pool in ("decode", "vision") and high == 0):  # the cluster's layout / the actors before
                 continue
             if not 1 <= low <= high:
                 raise ValueError(f"need 1 <= {pool}_pool_min_size <= {pool}_pool_max_size, got {low}..{high}")
@@ -262,8 +263,8 @@ class DataConfig:
         return cls(**known)
 
     def pool_max_size(self, pool: str) -> int:
-        """A pool's max size: the config's, or the separate layout's (``SEPARATE_POOL_SIZE``) where the size is unset
-        and no cluster layout was applied (actors built outside ``build_dataset``, SFT's pools)."""
+        """A pool's max size: the config's, or ``SEPARATE_POOL_SIZE`` where the size is unset and no cluster layout was
+        applied (actors built outside ``build_dataset``, SFT's pools, media rows' tokenizer actors)."""
         size = getattr(self, f"{pool}_pool_max_size")
         return SEPARATE_POOL_SIZE if size is None else size
 

@@ -113,7 +113,7 @@ class RunReport(RunSummary):
     files_quarantined: int = 0
     files_quarantined_rows_unknown: int = 0
     rows_quarantined_in_files: int = 0
-    layout: str | None = None  # the media pools' layout and why (``Layout.describe``); None for text rows
+    layout: str | None = None  # the pools' layout and why (``Layout.describe``)
     # what the cluster's object store spilled to disk and restored during the run; None when Ray did not say
     object_store: StoreTotals | None = None
 
@@ -136,7 +136,7 @@ class RunReport(RunSummary):
                 note += f"; {self.files_quarantined_rows_unknown} files of unknown size, rows not counted"
             lines.insert(at, f"quarantined files  {self.files_quarantined:>12,}{note})")
         if self.layout:
-            lines.append(f"media layout       {self.layout}")
+            lines.append(f"pool layout        {self.layout}")
         spill = "unknown (the raylet did not answer)" if self.object_store is None else self.object_store.describe()
         lines.append(f"object store       {spill}")
         return "\n".join(lines)
@@ -225,13 +225,13 @@ def run_pipeline(
     # the ledger lives on the driver's node: the run then outlives any other node, and that node goes only with it
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     ledger = RunLedger.options(scheduling_strategy=here).remote(run_id)
-    layout = cluster_layout(cfg) if processor is not None else None
-    cfg = layout.apply(cfg) if layout else cfg
+    layout = cluster_layout(cfg, media=processor is not None)
+    cfg = layout.apply(cfg)
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
     summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output, run_id=run_id)
     writer = _PartWriter(output) if output else None
     summary = RunReport.of(summary, bad_files)  # rows of quarantined files count as rows in and quarantined
-    summary.layout = layout.describe() if layout else None
+    summary.layout = layout.describe()
     try:
         for batch in ds.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
             if summary.time_to_first_batch_s is None:

@@ -1,6 +1,7 @@
-"""The media pools' layout chosen from the cluster when the config leaves the pool sizes unset: one pool on small
-CPU-only clusters, separate pools on larger ones or with GPU vision actors, the user's sizes always; the choice and
-its reason in the run's log and summary. Checked on real local clusters of different sizes (``ray start``)."""
+"""The pools' layout chosen from the cluster when the config leaves the pool sizes unset: text rows one tokenizer
+actor per CPU but one; media rows one pool on small CPU-only clusters, separate pools on larger ones or with GPU
+vision actors; the user's sizes always; the choice and its reason in the run's log and summary. Checked on real local
+clusters of different sizes (``ray start``)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ args = json.loads(sys.argv[1])
 ray.init(include_dashboard=False)
 out = []
 for config in args["configs"]:
-    ds = build_dataset(args["files"], args["model"], config, processor=args["model"])
-    operators = [op.name.removeprefix("MapBatches(")[:-1] for op in ds._logical_plan.dag.post_order_iter()][1:]
-    summary = run_pipeline(args["files"], args["model"], config, processor=args["model"], batch_size=16)
-    out.append({"operators": operators, "layout": summary.layout, "accounted": summary.accounted,
-                "rows_out": summary.rows_out})
+    files, processor = (args["text_files"], None) if config.pop("text_rows", False) else (args["files"], args["model"])
+    ds = build_dataset(files, args["model"], config, processor=processor)
+    ops = list(ds._logical_plan.dag.post_order_iter())[1:]
+    summary = run_pipeline(files, args["model"], config, processor=processor, batch_size=16)
+    out.append({"operators": [op.name.removeprefix("MapBatches(")[:-1] for op in ops],
+                "tokenizer_pool_max_size": ops[0].compute.max_size, "layout": summary.layout,
+                "accounted": summary.accounted, "rows_out": summary.rows_out})
 print(json.dumps(out))
 """
 
@@ -52,6 +55,19 @@ def test_choice_by_cluster_shape():
     assert choose_layout(unset, {"CPU": 2, "GPU": 8}).name == "one-pool"
 
 
+def test_text_rows_get_one_tokenizer_actor_per_cpu_but_the_consumers():
+    for cpus, size in ((1, 1), (2, 1), (4, 3), (16, 15)):
+        layout = choose_layout(DataConfig(), {"CPU": cpus}, media=False)
+        assert (layout.name, layout.tokenizer_pool_max_size) == ("text", size)
+        assert layout.apply(DataConfig()).tokenizer_pool_max_size == size
+    assert choose_layout(DataConfig(tokenizer_pool_min_size=2), {"CPU": 2}, media=False).tokenizer_pool_max_size == 2
+    explicit = choose_layout(DataConfig(tokenizer_pool_max_size=4), {"CPU": 2}, media=False)
+    assert (explicit.name, explicit.tokenizer_pool_max_size) == ("config", 4)
+    # media rows keep two tokenizer actors unless set
+    assert choose_layout(DataConfig(), {"CPU": 16}).tokenizer_pool_max_size == SEPARATE_POOL_SIZE
+    assert choose_layout(DataConfig(tokenizer_pool_max_size=3), {"CPU": 2}).tokenizer_pool_max_size == 3
+
+
 def test_sizes_in_the_config_win():
     both = choose_layout(DataConfig(decode_pool_max_size=3, vision_pool_max_size=0), {"CPU": 64})
     assert (both.name, both.decode_pool_max_size, both.vision_pool_max_size) == ("config", 3, 0)
@@ -67,8 +83,10 @@ def test_the_session_cluster_gets_one_pool(ray_session, geo3k_files, model_dir):
     assert operators == ["TokenizeActor"]
 
 
-def _on_cluster(port: int, env: dict, files: list[str], model: str, configs: list[dict]) -> list[dict]:
-    args = json.dumps({"files": files, "model": model, "configs": configs})
+def _on_cluster(
+    port: int, env: dict, files: list[str], model: str, configs: list[dict], text_files: list[str] = ()
+) -> list[dict]:
+    args = json.dumps({"files": files, "text_files": list(text_files), "model": model, "configs": configs})
     proc = subprocess.run(
         [sys.executable, "-c", RUN_CONFIGS, args],
         env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
@@ -81,7 +99,9 @@ def _on_cluster(port: int, env: dict, files: list[str], model: str, configs: lis
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(geo3k_files, model_dir, tmp_path):
+def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(
+    geo3k_files, variety_files, model_dir, tmp_path
+):
     port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")
     start_head(port, env, "--num-cpus=2")
     try:
@@ -95,9 +115,11 @@ def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(geo3k_
         assert cli.returncode == 0, cli.stderr[-3000:]
         logged = [line for line in cli.stderr.splitlines() if "media layout:" in line]
         assert len(logged) == 1 and "one-pool (2 CPUs <= 4" in logged[0], cli.stderr[-3000:]
-        assert "media layout       one-pool" in cli.stdout
+        assert "pool layout        one-pool" in cli.stdout
         summary = json.loads(summary_path.read_text())
         assert summary["layout"].startswith("one-pool (2 CPUs") and summary["accounted"]
+        text = _on_cluster(port, env, geo3k_files, model_dir, [{"text_rows": True}], variety_files)[0]
+        assert text["tokenizer_pool_max_size"] == 1 and text["layout"].startswith("text (2 CPUs: up to 1 ")
         explicit = _on_cluster(
             port, env, geo3k_files, model_dir, [{"decode_pool_max_size": 1, "vision_pool_max_size": 1}]
         )
@@ -108,14 +130,21 @@ def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(geo3k_
         stop_cluster(port)
 
 
-def test_larger_cluster_and_gpu_vision_get_separate_pools(geo3k_files, model_dir):
+def test_larger_cluster_and_gpu_vision_get_separate_pools(geo3k_files, variety_files, model_dir):
     port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")
     start_head(port, env, "--num-cpus=8", "--num-gpus=1")  # logical: layout and scheduling only, kernels on the CPU
     try:
         gpu = {"vision_num_gpus": 0.5, "vision_device": "cpu", "vision_batch_size": 8}
-        default, on_gpu = _on_cluster(port, env, geo3k_files, model_dir, [{}, gpu])
+        text = [{"text_rows": True}, {"text_rows": True, "tokenizer_pool_max_size": 2}]
+        default, on_gpu, text_default, text_set = _on_cluster(
+            port, env, geo3k_files, model_dir, [{}, gpu, *text], variety_files
+        )
     finally:
         stop_cluster(port)
+    assert text_default["tokenizer_pool_max_size"] == 7 and text_default["layout"].startswith("text (8 CPUs: up to 7")
+    assert text_set["tokenizer_pool_max_size"] == 2 and text_set["layout"] == "config (pool size set in the config)"
+    assert text_default["rows_out"] == text_set["rows_out"] > 0 and text_default["accounted"]
+    assert default["tokenizer_pool_max_size"] == 2
     assert default["operators"] == THREE_POOLS and default["layout"].startswith("separate (8 CPUs > 4")
     assert on_gpu["operators"] == THREE_POOLS and "vision_num_gpus 0.5" in on_gpu["layout"]
     assert default["rows_out"] == on_gpu["rows_out"] > 0 and default["accounted"] and on_gpu["accounted"]

@@ -1,8 +1,12 @@
-"""Which actors run the media stages, chosen from the cluster when the config leaves the pool sizes unset.
+"""Which actors run the stages, chosen from the cluster when the config leaves the pool sizes unset.
 
-The one-pool layout runs decode and vision in the tokenizer actors; the separate layout gives each stage a pool of
-its own. On a small CPU-only cluster every extra actor process costs a start-up and one more object-store copy of
-the pixels, and the one pool is faster; with more cores, or GPU vision actors, stages scale apart
+Text rows: up to one tokenizer actor per CPU but one, the consumer's (the process that collates the batches). A
+tokenizer actor's batch encode already runs on every core of its machine; on a 2-CPU machine a second actor adds a
+process (~220 MiB) and no rows/s, while a 16-CPU machine goes on gaining up to 16 actors (docs/benchmarks.md).
+
+Media rows: the one-pool layout runs decode and vision in the tokenizer actors; the separate layout gives each stage
+a pool of its own. On a small CPU-only cluster every extra actor process costs a start-up and one more object-store
+copy of the pixels, and the one pool is faster; with more cores, or GPU vision actors, stages scale apart
 (docs/benchmarks.md has the measurements behind the threshold). Sizes set in the config always win.
 """
 
@@ -19,36 +23,47 @@ ONE_POOL_MAX_CPUS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The media pools' sizes a run uses and why (printed in the run's log and summary)."""
+    """The pools' sizes a run uses and why (printed in the run's log and summary)."""
 
-    name: str  # "one-pool", "separate" or "config" (sizes set by the user)
+    name: str  # "text", "one-pool", "separate" or "config" (sizes set by the user)
     reason: str
-    decode_pool_max_size: int
-    vision_pool_max_size: int
+    tokenizer_pool_max_size: int
+    decode_pool_max_size: int = 0
+    vision_pool_max_size: int = 0
 
     def apply(self, cfg: DataConfig) -> DataConfig:
         """``cfg`` with this layout's pool sizes."""
         return dataclasses.replace(
-            cfg, decode_pool_max_size=self.decode_pool_max_size, vision_pool_max_size=self.vision_pool_max_size
+            cfg,
+            tokenizer_pool_max_size=self.tokenizer_pool_max_size,
+            decode_pool_max_size=self.decode_pool_max_size,
+            vision_pool_max_size=self.vision_pool_max_size,
         )
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"
 
 
-def choose_layout(cfg: DataConfig, resources: Mapping[str, float]) -> Layout:
-    """The layout for ``cfg`` on a cluster with ``resources`` (``ray.cluster_resources()``)."""
+def choose_layout(cfg: DataConfig, resources: Mapping[str, float], *, media: bool = True) -> Layout:
+    """The layout for ``cfg`` on a cluster with ``resources`` (``ray.cluster_resources()``); ``media``: rows with
+    images or videos (a processor), else text rows."""
+    cpus = resources.get("CPU", 0.0)
+    if not media:
+        if cfg.tokenizer_pool_max_size is not None:
+            return Layout("config", "pool size set in the config", cfg.tokenizer_pool_max_size)
+        size = max(cfg.tokenizer_pool_min_size, int(cpus) - 1, 1)
+        return Layout("text", f"{cpus:g} CPUs: up to {size} tokenizer actors, one per CPU but the consumer's", size)
+    tokenizer = cfg.pool_max_size("tokenizer")
     decode, vision = cfg.decode_pool_max_size, cfg.vision_pool_max_size
     if decode is not None or vision is not None:
         decode = SEPARATE_POOL_SIZE if decode is None else decode
         vision = SEPARATE_POOL_SIZE if vision is None else vision
-        return Layout("config", "pool sizes set in the config", decode, vision)
+        return Layout("config", "pool sizes set in the config", tokenizer, decode, vision)
     if cfg.vision_num_gpus:
         reason = f"GPU vision actors (vision_num_gpus {cfg.vision_num_gpus:g}) need a pool of their own"
-        return Layout("separate", reason, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
-    cpus = resources.get("CPU", 0.0)
+        return Layout("separate", reason, tokenizer, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
     if cpus <= ONE_POOL_MAX_CPUS:
         reason = f"{cpus:g} CPUs <= {ONE_POOL_MAX_CPUS}: decode and vision in the tokenizer actors"
-        return Layout("one-pool", reason, 0, 0)
+        return Layout("one-pool", reason, tokenizer, 0, 0)
     reason = f"{cpus:g} CPUs > {ONE_POOL_MAX_CPUS}: decode and vision pools of their own"
-    return Layout("separate", reason, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
+    return Layout("separate", reason, tokenizer, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)

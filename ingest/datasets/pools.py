@@ -217,7 +217,9 @@ def read_units_into_pool(
         batch_size=None,
         batch_format="pyarrow",
         zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.tokenizer_pool_min_size, max_size=cfg.tokenizer_pool_max_size),
+        compute=ray.data.ActorPoolStrategy(
+            min_size=cfg.tokenizer_pool_min_size, max_size=cfg.pool_max_size("tokenizer")
+        ),
         num_cpus=cfg.tokenizer_num_cpus,
     )
 

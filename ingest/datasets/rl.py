@@ -46,8 +46,7 @@ def build_dataset(
     check_row_format(cfg, processor)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    if processor is not None:  # text rows have no media pools to lay out
-        cfg = cluster_layout(cfg).apply(cfg)
+    cfg = cluster_layout(cfg, media=processor is not None).apply(cfg)
     context = plan.context(ledger, keep_provenance, cfg.image_key)
     models = actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor)
     ds = read_units_into_pool(plan, cfg, context, TokenizeActor, models, epoch=epoch)
@@ -63,10 +62,11 @@ def build_dataset(
     return map_on_pool(ds, cfg, "vision", VisionActor, media)
 
 
-def cluster_layout(cfg: DataConfig) -> Layout:
-    """The media pools' layout for ``cfg`` on the cluster this process joins (logged when chosen here)."""
+def cluster_layout(cfg: DataConfig, *, media: bool = True) -> Layout:
+    """The pools' layout for ``cfg`` (media rows or text rows) on the cluster this process joins (logged when chosen
+    here)."""
     ensure_ray()
-    layout = choose_layout(cfg, ray.cluster_resources())
+    layout = choose_layout(cfg, ray.cluster_resources(), media=media)
     if layout.name != "config":  # a choice made here, not the user's: say which and why
-        logger.info("media layout: %s", layout.describe())
+        logger.info("%s layout: %s", "media" if media else "text", layout.describe())
     return layout

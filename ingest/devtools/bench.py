@@ -173,6 +173,8 @@ def _compare(
     entry["ours_cold"] = run_cold(files, model, config, processor)
     _settle()  # the same through the loader verl's trainer iterates: its first batch made in the driver
     entry["ours_cold_verl_loader"] = run_cold(files, model, config, processor, loader="VerlDataLoader")
+    _settle()  # the same after len() on a new dataset (verl's trainer calls it first): the epoch's count on the clock
+    entry["ours_cold_verl_loader_new_dataset"] = run_cold(files, model, config, processor, loader="VerlDataLoader+len")
     if processor is None:  # the bare ceiling on the same rows: render + batch encode on every core, no Ray
         from ingest.devtools.scaling import _ceiling
 
@@ -191,7 +193,8 @@ def _compare(
             assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {ours_key} {ours['rows']}"
             entry[ratio_key] = round(ours["rows_per_s"] / verl["rows_per_s"], 2)
         entry["ratio_cold"] = round(entry["ours_cold"]["rows_per_s"] / verl["rows_per_s"], 2)
-        entry["ratio_cold_verl_loader"] = round(entry["ours_cold_verl_loader"]["rows_per_s"] / verl["rows_per_s"], 2)
+        for loader in ("verl_loader", "verl_loader_new_dataset"):
+            entry[f"ratio_cold_{loader}"] = round(entry[f"ours_cold_{loader}"]["rows_per_s"] / verl["rows_per_s"], 2)
     return entry
 
 

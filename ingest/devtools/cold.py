@@ -2,7 +2,9 @@
 clock, the default pools (``build_dataset`` starts a brand-new local Ray and Ray Data's cluster actors on the clock).
 Clock from ``build_dataset`` to the last batch of ``iter_torch_batches(collate_fn=VerlCollate())``; steady state is
 the rows after the first batch over the time after it. ``loader="VerlDataLoader"``: the same through the loader verl's
-trainer iterates (its first batch made in the driver before Ray starts), the clock from its construction.
+trainer iterates (its first batch made in the driver before Ray starts), the clock from its construction;
+``loader="VerlDataLoader+len"``: the same after ``len()`` on a new dataset (an empty ``cache_dir``), as verl's trainer
+calls it before its first step: the epoch's count is on the clock.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def steady_rows_per_s(result: dict) -> float:
 def run_loader(files: list[str], model: str, config: dict, processor: str | None, loader: str) -> dict:
     """In this process: ``BENCH_CONFIG`` + ``config`` through ``build_dataset`` + ``iter_torch_batches`` or through
     ``VerlDataLoader``, collated in the config's row format; the clock from the first call to the last batch."""
+    import tempfile
     import time
 
     import torch  # noqa: F401  (a trainer has torch loaded; verl's side imports it before its clock too)
@@ -33,9 +36,13 @@ def run_loader(files: list[str], model: str, config: dict, processor: str | None
 
     config = {**BENCH_CONFIG, **config}
     collate = VerlCollate(row_format=config.get("row_format", "verl-0.5"))
+    if loader == "VerlDataLoader+len":  # a new dataset: nothing counted before
+        config["cache_dir"] = tempfile.mkdtemp(prefix="ingest-cold-count-")
     started = time.perf_counter()
-    if loader == "VerlDataLoader":
+    if loader.startswith("VerlDataLoader"):
         batches = VerlDataLoader(files, model, config, BATCH_SIZE, processor, drop_last=False, collate_fn=collate)
+        if loader == "VerlDataLoader+len":
+            len(batches)
     else:
         ds = build_dataset(files, model, config, processor=processor)
         batches = ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=collate)

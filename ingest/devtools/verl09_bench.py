@@ -135,7 +135,12 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
     for kind, rows, files, processor, config in cases:
         verl = _verl(files, model, config, processor, work)
         entry = {"kind": kind, "rows": rows, "verl": verl}
-        for name, loader in (("ours", "VerlDataLoader"), ("ours_iter_torch_batches", "iter_torch_batches")):
+        loaders = (
+            ("ours", "VerlDataLoader"),
+            ("ours_new_dataset", "VerlDataLoader+len"),  # len() first, as verl's trainer: the epoch count on the clock
+            ("ours_iter_torch_batches", "iter_torch_batches"),
+        )
+        for name, loader in loaders:
             ours = _ours(files, model, config, processor, work, loader)
             assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {name} {ours['rows']}"
             suffix = name.removeprefix("ours")

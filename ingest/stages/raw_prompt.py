@@ -4,7 +4,10 @@ verl 0.9.1 measures every prompt before its first batch: the tokenizer's templat
 expanded ``input_ids`` for media prompts (every image decoded, resized by qwen-vl-utils and processed; every video
 decoded). Here one batched encode gives the text ids and each image's grid comes from its header and the two resizes
 (qwen-vl-utils', then the processor's), each video's from its container header: no pixel is touched to measure a
-row. With the filter off nothing is measured (verl 0.9 has no truncation: an overlong prompt passes).
+row. A text prompt that renders to at most ``max_prompt_length`` ASCII characters is not encoded at all where the
+tokenizer never makes more ids than characters of ASCII text (``ChatTokenizer.ascii_ids_at_most_chars``): the
+filter keeps it either way. With the filter off nothing is measured (verl 0.9 has no truncation: an overlong prompt
+passes).
 """
 
 from __future__ import annotations
@@ -130,16 +133,21 @@ class RawPromptStage(PromptTokenizeStage):
                     reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
                     bad[i] = self._error(table, i, reason, cfg.video_key)
 
-        lengths = np.zeros(n, dtype=np.int64)
+        lengths = media_tokens
         if measure:
-            ids = self.tokenizer.encode_batch([texts[i] if i not in bad else "" for i in range(n)])
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n) + media_tokens
+            # a text prompt's length decides only whether it is kept: one short enough in characters is kept unencoded
+            limit = cfg.max_prompt_length if self.vision is None and self.tokenizer.ascii_ids_at_most_chars else -1
+            rows = [i for i in range(n) if i not in bad and not (len(texts[i]) <= limit and texts[i].isascii())]
+            ids = self.tokenizer.encode_batch([texts[i] for i in rows])
+            lengths[rows] += np.fromiter(map(len, ids), dtype=np.int64, count=len(rows))
         if bad and cfg.on_bad_row == "raise":
             raise bad[min(bad)]
         valid = np.ones(n, dtype=bool)
         valid[list(bad)] = False
         keep = valid & (lengths <= cfg.max_prompt_length) if measure else valid
         counts, quarantine, kept = self._account(table, bad, valid, keep, lengths)
+        if self.vision is None:  # text rows carry no ids here, and not every prompt was encoded
+            counts.prompt_tokens = 0
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(

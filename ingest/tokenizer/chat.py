@@ -9,6 +9,7 @@ through ``AutoTokenizer``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,9 @@ from ingest.errors import ModelLoadError
 from ingest.tokenizer.offline import resolve_model_path
 from ingest.tokenizer.template import compile_chat_template, qwen2_vl_text_renderer, render_chat
 
+# Normalizers that leave ASCII text as it is, and pre-tokenizers that only split it (ByteLevel: without a prefix space)
+_ASCII_KEEPING_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+_SPLITTING_PRE_TOKENIZERS = frozenset({"Split", "Digits", "Punctuation", "ByteLevel"})
 # Tokenizer classes that are exactly "tokenizer.json + special tokens + chat template".
 _PLAIN_FAST_CLASSES = frozenset(
     {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"}
@@ -111,6 +115,31 @@ class ChatTokenizer:
         if self._backend is not None:
             return self._backend.token_to_id(token)
         return self._hf.convert_tokens_to_ids(token)
+
+    @functools.cached_property
+    def ascii_ids_at_most_chars(self) -> bool:
+        """Whether an ASCII text never encodes to more ids than it has characters, so a prompt that is short in
+        characters is short in ids without encoding it: a byte-level BPE (every id stands for at least one byte of the
+        text, special tokens too) loaded from ``tokenizer.json``, whose normalizer leaves ASCII unchanged and whose
+        pre-tokenizers only split (no prefix space)."""
+        if self._hf is not None or self._backend is None or type(self._backend.model).__name__ != "BPE":
+            return False
+
+        def parts(component, key: str) -> list[dict]:
+            if component is None:
+                return []
+            state = json.loads(component.__getstate__())
+            return state[key] if state.get("type") == "Sequence" else [state]
+
+        normalizers = parts(self._backend.normalizer, "normalizers")
+        pre_tokenizers = parts(self._backend.pre_tokenizer, "pretokenizers")
+        byte_level = [p for p in pre_tokenizers if p.get("type") == "ByteLevel"]
+        return (
+            all(n.get("type") in _ASCII_KEEPING_NORMALIZERS for n in normalizers)
+            and all(p.get("type") in _SPLITTING_PRE_TOKENIZERS for p in pre_tokenizers)
+            and bool(byte_level)
+            and not any(p.get("add_prefix_space") for p in byte_level)
+        )
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``tokenizer(text, add_special_tokens=False)["input_ids"]`` for every text, in one backend call."""

@@ -35,3 +35,36 @@ def test_fast_path_matches_transformers(both_paths):
     ids = fast.encode_batch(texts)
     assert ids == slow.encode_batch(texts) == [hf(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert fast.pad_token_id == slow.pad_token_id == hf.pad_token_id
+
+
+def _model_copy(model_dir: str, tmp_path, **tokenizer_json) -> str:
+    import json
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    data = json.loads((copy / "tokenizer.json").read_text())
+    data.update(tokenizer_json)
+    (copy / "tokenizer.json").write_text(json.dumps(data))
+    return str(copy)
+
+
+def test_ascii_ids_at_most_chars_only_where_an_id_covers_a_byte(both_paths, model_dir, tmp_path):
+    """The overlong filter keeps a prompt short in ASCII characters unencoded only where the tokenizer can never make
+    more ids than that: byte-level BPE without a prefix space or a normalizer that changes ASCII."""
+    import random
+
+    fast, slow = both_paths
+    assert fast.ascii_ids_at_most_chars and not slow.ascii_ids_at_most_chars  # transformers' class: not inspected
+    rng = random.Random(0)
+    pieces = [chr(c) for c in range(128)] + ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<image>", "\n\n"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 80))) for _ in range(2000)]
+    assert all(len(ids) <= len(text) for ids, text in zip(fast.encode_batch(texts), texts, strict=True))
+    prefix_space = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    assert not ChatTokenizer(_model_copy(model_dir, tmp_path / "a", pre_tokenizer=prefix_space)).ascii_ids_at_most_chars
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    assert not ChatTokenizer(_model_copy(model_dir, tmp_path / "b", pre_tokenizer=metaspace)).ascii_ids_at_most_chars
+    lengthening = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    assert not ChatTokenizer(_model_copy(model_dir, tmp_path / "c", normalizer=lengthening)).ascii_ids_at_most_chars
+    nfc = {"type": "Sequence", "normalizers": [{"type": "NFC"}]}
+    assert ChatTokenizer(_model_copy(model_dir, tmp_path / "d", normalizer=nfc)).ascii_ids_at_most_chars
