@@ -132,6 +132,23 @@ def test_prompt_stream_to_a_dead_address_raises_after_its_first_batches(ray_tmpd
     assert result["batches"] >= 1
 
 
+def test_a_process_exiting_while_its_cluster_starts_lets_the_start_finish(ray_tmpdir):
+    """A small epoch can end in the driver before its cluster is up; the process then exits while ``ray.init`` runs
+    in the starter thread. Ray's exit handler shutting the cluster down beside that start made the process abort in
+    gRPC ("Illegal header value", SIGABRT) in about one exit in five; the start is let finish first."""
+    code = "from ingest.datasets.pools import ensure_ray_soon; ensure_ray_soon(); print('exiting', flush=True)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=cluster_env(RAY_TMPDIR=str(ray_tmpdir), RAY_ADDRESS="local"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "exiting", proc.stderr[-3000:]
+    assert "Started a local Ray instance" in proc.stderr, proc.stderr[-3000:]  # the start ran to its end
+
+
 def test_silent_listener_fails_within_the_probe_timeout(ray_tmpdir, monkeypatch):
     """A head that accepts connections but never answers (frozen, or its port taken by a silent program): the TCP
     connect succeeds, the GCS request times out."""

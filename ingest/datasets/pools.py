@@ -4,6 +4,7 @@ decode and vision pools. Every actor is built with the run's ``DataConfig`` and 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -23,6 +24,8 @@ from ingest.errors import IngestError
 # How long a cluster address gets to answer before the run gives up on it. A live GCS answers in milliseconds;
 # ray.init itself would retry a dead one for ~10 minutes (20 connection attempts of ~40 s each in Ray 2.60).
 RAY_JOIN_TIMEOUT_S = 5.0
+# How long a process that is exiting waits for a cluster start still under way in the starter thread
+RAY_START_EXIT_WAIT_S = 60.0
 # ensure_ray runs in the background starter thread (ensure_ray_soon) as well as in the caller's
 _RAY_START = threading.Lock()
 _starting: Future | None = None
@@ -67,7 +70,18 @@ def ensure_ray_soon() -> Future:
             if threading.current_thread() is threading.main_thread():
                 _exit_on_sigterm()
             threading.Thread(target=_start_and_stay, args=(_starting,), name="ingest-ray-start", daemon=True).start()
+            atexit.register(_finish_start, _starting)
         return _starting
+
+
+def _finish_start(started: Future) -> None:
+    """At exit, before Ray's own exit handler (registered earlier, so run later) shuts the cluster down: let a start
+    still under way finish first. A process whose work ended before its cluster was up (a small epoch made in the
+    driver) otherwise shuts Ray down while ``ray.init`` runs in the other thread, and aborts in gRPC."""
+    try:
+        started.result(timeout=RAY_START_EXIT_WAIT_S)
+    except BaseException:  # a failed start has nothing to shut down; an exit is no place to raise
+        pass
 
 
 def _start_and_stay(started: Future) -> None:
