@@ -2,7 +2,7 @@
 
 Text rows: up to one tokenizer actor per CPU but one, the consumer's (the process that collates the batches). A
 tokenizer actor's batch encode already runs on every core of its machine; on a 2-CPU machine a second actor adds a
-process (~220 MiB) and no rows/s, while a 16-CPU machine goes on gaining up to 16 actors (docs/benchmarks.md).
+process and no rows/s, while a 16-CPU machine goes on gaining up to 16 actors (figures in docs/benchmarks.md).
 
 Media rows: the one-pool layout runs decode and vision in the tokenizer actors; the separate layout gives each stage
 a pool of its own. On a small CPU-only cluster every extra actor process costs a start-up and one more object-store
