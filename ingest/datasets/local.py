@@ -32,7 +32,8 @@ def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) ->
 
 class DriverUnits:
     """Reads and runs single read units in this process, blocks exactly as the tokenizer (+ media) actors give
-    them; counts and quarantine go to ``context.ledger`` as from the actors."""
+    them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only`` (text rows): blocks of
+    the kept rows' provenance only, the prompt stage's decisions made without the ids it does not need."""
 
     def __init__(
         self,
@@ -43,14 +44,17 @@ class DriverUnits:
         processor: str | os.PathLike | None = None,
         *,
         epoch: int = 0,
+        count_only: bool = False,
     ):
         from ingest.stages.media import media_stages
         from ingest.stages.prompt import prompt_stage
 
         if not driver_can_start(config, processor):
             raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
+        if count_only and processor is not None:  # a media row is only known good once its media are decoded
+            raise ValueError("count_only counts text rows; media rows are counted through their media stages")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
-        self.stage = prompt_stage(config, context, tokenizer, processor)
+        self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only)
         # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto" on a
         # CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
         one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")

@@ -12,10 +12,16 @@ from ingest.tokenizer.offline import resolve_model_path
 
 
 def prompt_stage(
-    config: DataConfig, context: StageContext, tokenizer: str | None, processor: str | None = None
+    config: DataConfig,
+    context: StageContext,
+    tokenizer: str | None,
+    processor: str | None = None,
+    *,
+    count_only: bool = False,
 ) -> PromptTokenizeStage:
-    """``RawPromptStage`` for verl 0.9 rows, else ``PromptTokenizeStage``; ``processor``: its geometry (None: text)."""
+    """``RawPromptStage`` for verl 0.9 rows, else ``PromptTokenizeStage``; ``processor``: its geometry (None: text);
+    ``count_only``: the stage's decisions without its rows (``PromptTokenizeStage``)."""
     vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
     chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
     stage = RawPromptStage if config.row_format == "verl-0.9" else PromptTokenizeStage
-    return stage(chat, config, context, vision)
+    return stage(chat, config, context, vision, count_only=count_only)

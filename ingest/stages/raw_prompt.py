@@ -42,7 +42,7 @@ from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
 from ingest.rowformat.raw_prompt import raw_prompt_messages, struct_image_problem
 from ingest.rowformat.text import extra_info_columns
-from ingest.stages.tokenize import PromptTokenizeStage
+from ingest.stages.tokenize import PromptTokenizeStage, _provenance_of
 from ingest.tokenizer.chat import ChatTokenizer
 
 
@@ -61,8 +61,10 @@ class RawPromptStage(PromptTokenizeStage):
         config: DataConfig,
         context: StageContext | None = None,
         vision: VisionSpec | None = None,
+        *,
+        count_only: bool = False,
     ):
-        super().__init__(tokenizer, config, context, vision)
+        super().__init__(tokenizer, config, context, vision, count_only=count_only)
         self.files_without_image_feature = (context or StageContext()).files_without_image_feature
 
     def _process(self, table: pa.Table) -> StageResult:
@@ -136,10 +138,8 @@ class RawPromptStage(PromptTokenizeStage):
         lengths = media_tokens
         if measure:
             # a text prompt's length decides only whether it is kept: one short enough in characters is kept unencoded
-            limit = cfg.max_prompt_length if self.vision is None and self.tokenizer.ascii_ids_at_most_chars else -1
-            rows = [i for i in range(n) if i not in bad and not (len(texts[i]) <= limit and texts[i].isascii())]
-            ids = self.tokenizer.encode_batch([texts[i] for i in rows])
-            lengths[rows] += np.fromiter(map(len, ids), dtype=np.int64, count=len(rows))
+            ids = self._ids_unless_short(texts)
+            lengths += np.fromiter(map(len, ids), dtype=np.int64, count=n)
         if bad and cfg.on_bad_row == "raise":
             raise bad[min(bad)]
         valid = np.ones(n, dtype=bool)
@@ -148,6 +148,8 @@ class RawPromptStage(PromptTokenizeStage):
         counts, quarantine, kept = self._account(table, bad, valid, keep, lengths)
         if self.vision is None:  # text rows carry no ids here, and not every prompt was encoded
             counts.prompt_tokens = 0
+        if self.count_only:
+            return StageResult(_provenance_of(table, kept), counts, quarantine)
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(

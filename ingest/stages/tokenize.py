@@ -54,7 +54,9 @@ class PromptTokenizeStage:
 
     ``vision``: the processor geometry on the processor path (None on the text path). Bad rows are quarantined
     (``on_bad_row="quarantine"``, default) or raise ``BadRowError`` (``"raise"``). ``truncation="error"`` on an
-    overlong prompt always raises, as in verl.
+    overlong prompt always raises, as in verl. ``count_only``: the same decisions and counts, but the output keeps
+    only the kept rows' provenance (an epoch's row count), and a text prompt short enough in characters is not
+    encoded (``ChatTokenizer.known_short``).
     """
 
     def __init__(
@@ -63,10 +65,13 @@ class PromptTokenizeStage:
         config: DataConfig,
         context: StageContext | None = None,
         vision: VisionSpec | None = None,
+        *,
+        count_only: bool = False,
     ):
         context = context or StageContext()
         self.tokenizer = tokenizer
         self.config = config
+        self.count_only = count_only
         self.files = list(context.files)
         self.vision = vision
         self.keep_provenance = context.keep_provenance
@@ -189,7 +194,10 @@ class PromptTokenizeStage:
                     reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
                     bad[i] = self._error(table, i, reason, cfg.video_key)
 
-        ids = self.tokenizer.encode_batch(texts)
+        if self.count_only and not self.filter_tools:  # only the filter's decision is needed, not the ids
+            ids = self._ids_unless_short(texts)
+        else:
+            ids = self.tokenizer.encode_batch(texts)
         model_ids, video_token_grids = self._timestamped_ids(texts, ids, video_plans, video_grids, bad)
         expanded_lengths = np.zeros(n, dtype=np.int64)
         for i, row_ids in enumerate(ids):
@@ -242,6 +250,8 @@ class PromptTokenizeStage:
                     "data.filter_overlong_prompts=true)",
                 )
         counts, quarantine, kept = self._account(table, bad, valid, keep, expanded_lengths)
+        if self.count_only:
+            return StageResult(_provenance_of(table, kept), counts, quarantine)
         if len(kept) != n:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
@@ -284,6 +294,19 @@ class PromptTokenizeStage:
         for i, row_ids in zip(rows, self.tokenizer.encode_batch(written), strict=True):
             model_ids[i] = row_ids
         return model_ids, token_grids
+
+    def _ids_unless_short(self, texts: list[str]) -> list[list[int]]:
+        """The ids of every text prompt but those known to be at most ``max_prompt_length`` ids without encoding them
+        (``ChatTokenizer.known_short``), which get none: the overlong filter keeps them either way. Every prompt's on
+        the processor path (the media add tokens)."""
+        short = [False] * len(texts)
+        if self.vision is None:
+            short = self.tokenizer.known_short(texts, self.config.max_prompt_length)
+        rows = [i for i, known in enumerate(short) if not known]
+        ids: list[list[int]] = [[] for _ in texts]
+        for i, row_ids in zip(rows, self.tokenizer.encode_batch([texts[i] for i in rows]), strict=True):
+            ids[i] = row_ids
+        return ids
 
     def _account(self, table: pa.Table, bad: dict, valid, keep, lengths) -> tuple[BatchCounts, list, np.ndarray]:
         """A batch's counts, quarantine records and kept row positions. On the processor path the decode stage counts
@@ -417,6 +440,12 @@ class PromptTokenizeStage:
                 for i in range(len(input_ids))
             ]
         )
+
+
+def _provenance_of(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """The provenance columns of ``rows`` (all of them, with the row count, where a table has none)."""
+    names = [name for name in PROVENANCE_COLUMNS if name in table.column_names]
+    return table.select(names).take(pa.array(rows, pa.int64()))
 
 
 def _text_as_binary(dtype: pa.DataType) -> pa.DataType:

@@ -141,6 +141,25 @@ class ChatTokenizer:
             and not any(p.get("add_prefix_space") for p in byte_level)
         )
 
+    def known_short(self, texts: list[str], limit: int) -> list[bool]:
+        """Per text: whether it encodes to at most ``limit`` ids, known without encoding it. Where
+        ``ascii_ids_at_most_chars`` holds, every id stands for at least one byte of the normalized text between the
+        special tokens (each of those one id, at least one byte): an ASCII text has no more ids than characters, and
+        so has any text its normalizer leaves as it is (then so are the pieces it normalizes) no more than UTF-8
+        bytes. False where not known (any text of other tokenizers)."""
+        if not self.ascii_ids_at_most_chars:
+            return [False] * len(texts)
+        normalizer = self._backend.normalizer
+
+        def short(text: str) -> bool:
+            if len(text) > limit:  # characters <= bytes
+                return False
+            if text.isascii():
+                return True
+            return len(text.encode()) <= limit and (normalizer is None or normalizer.normalize_str(text) == text)
+
+        return [short(text) for text in texts]
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``tokenizer(text, add_special_tokens=False)["input_ids"]`` for every text, in one backend call."""
         if self._backend is not None:

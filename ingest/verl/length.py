@@ -2,9 +2,12 @@
 
 ``len()`` of a verl dataloader sets verl's total training steps, so it must never promise more batches than an
 epoch gives: a Parquet footer counts rows before the filter and the bad-row policy, so the count here is the
-pipeline's own, from one pass over the data (the rows' ids and media headers; images are decoded too, as a corrupt
-one is only found there). The result is kept in ``cache_dir`` under a key of everything that decides it: the files
-(paths, row groups, schema, local size and modification time), the row-shaping config and the model paths.
+pipeline's own, from one pass over the data with its stages. Text rows are counted in this process, without a
+cluster: the prompt stage's decisions without its rows, a prompt short enough in ASCII characters not even encoded
+(``PromptTokenizeStage(count_only=True)``). Media rows go through the pipeline (``PromptStream``): images are decoded
+too, as a corrupt one is only found there. The result is kept in ``cache_dir`` under a key of everything that
+decides it: the files (paths, row groups, schema, local size and modification time), the row-shaping config and the
+model paths.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ def _num_rows(table) -> int:
 
 
 def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *, cache: bool = True) -> int:
-    """Rows one epoch of ``build_dataset(files, tokenizer, config, processor)`` yields: from the cache, else counted by
-    running the pipeline once (``PromptStream``, nothing collated) and cached."""
+    """Rows one epoch of ``build_dataset(files, tokenizer, config, processor)`` yields: from the cache, else counted
+    (text rows in this process, media rows by running the pipeline once, nothing collated) and cached."""
     from ingest.stream import PromptStream
 
     path = Path(os.path.expanduser(config.cache_dir)) / CACHE_FILE
@@ -76,12 +79,23 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
     known = _read(path) if cache else {}
     if key in known:
         return int(known[key])
-    # the stream, not a bare Ray Data read: its driver counts while the cluster starts (a new cluster takes seconds)
-    rows = sum(PromptStream(plan.files, tokenizer, config, COUNT_BATCH_ROWS, processor, collate_fn=_num_rows))
+    if processor is None:
+        rows = count_text_rows(plan, tokenizer, config)
+    else:  # the stream, not a bare Ray Data read: its driver counts while the cluster starts (that takes seconds)
+        rows = sum(PromptStream(plan.files, tokenizer, config, COUNT_BATCH_ROWS, processor, collate_fn=_num_rows))
     logger.info("counted %d rows per epoch (cached in %s)", rows, path)
     if cache:
         _write(path, {**_read(path), key: rows})
     return rows
+
+
+def count_text_rows(plan: InputPlan, tokenizer, config: DataConfig) -> int:
+    """The rows an epoch of text rows over ``plan`` yields, counted in this process: every read unit through the
+    read and the prompt stage that the tokenizer actors run, the stage's decisions without its rows."""
+    from ingest.datasets.local import DriverUnits
+
+    units = DriverUnits(plan, config, plan.context(), tokenizer, count_only=True)
+    return sum(block.num_rows for unit in plan.units for block in units(unit))
 
 
 def _read(path: Path) -> dict:

@@ -68,3 +68,34 @@ def test_ascii_ids_at_most_chars_only_where_an_id_covers_a_byte(both_paths, mode
     assert not ChatTokenizer(_model_copy(model_dir, tmp_path / "c", normalizer=lengthening)).ascii_ids_at_most_chars
     nfc = {"type": "Sequence", "normalizers": [{"type": "NFC"}]}
     assert ChatTokenizer(_model_copy(model_dir, tmp_path / "d", normalizer=nfc)).ascii_ids_at_most_chars
+
+
+def test_known_short_never_says_short_for_a_longer_text(model_dir, tmp_path):
+    """``known_short`` (the overlong filter keeps such a prompt unencoded) is a bound: whatever it calls short within
+    a limit encodes to at most that many ids, for ASCII and other text, with and without a normalizer; text that a
+    normalizer changes (decomposed accents under NFC, ligatures under NFKC) is never known short."""
+    import random
+
+    nfc = {"type": "Sequence", "normalizers": [{"type": "NFC"}]}
+    nfkc = {"type": "NFKC"}
+    tokenizers = [
+        ChatTokenizer(model_dir),
+        ChatTokenizer(_model_copy(model_dir, tmp_path / "nfc", normalizer=nfc)),
+        ChatTokenizer(_model_copy(model_dir, tmp_path / "nfkc", normalizer=nfkc)),
+    ]
+    rng = random.Random(0)
+    pieces = [chr(c) for c in range(32, 127)] + ["\n", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<image>"]
+    pieces += ["é", "e\u0301", ">\u0338", "\u0958", "Ø", "中文", "😀", "\ufb01", "\ufdfa", "\u212b", "\u1100\u1161"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 60))) for _ in range(3000)]
+    for tokenizer in tokenizers:
+        lengths = [len(ids) for ids in tokenizer.encode_batch(texts)]
+        # a limit one below each text's ids: "short" there would be a wrong answer
+        below = [tokenizer.known_short([text], n - 1)[0] for text, n in zip(texts, lengths, strict=True)]
+        assert not any(below)
+        generous = tokenizer.known_short(texts, 10_000)
+        assert sum(generous) > len(texts) // 10  # the bound is of use: plenty of texts are known short
+        assert all(n <= len(text.encode()) for text, n, short in zip(texts, lengths, generous, strict=True) if short)
+    plain, with_nfc, with_nfkc = (t.known_short(["cafe\u0301", "\ufb01ne", "café"], 100) for t in tokenizers)
+    assert plain == [True, True, True]
+    assert with_nfc == [False, True, True]  # NFC composes the accent: the text changes
+    assert with_nfkc == [False, False, True]  # NFKC also splits the ligature

@@ -1,0 +1,75 @@
+"""Counting an epoch of text rows (``PromptTokenizeStage(count_only=True)``, ``length.count_text_rows``): the same
+rows kept, filtered and quarantined as the stage that makes them, with far fewer prompts encoded."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.blocks import PROVENANCE_COLUMNS
+from ingest.config import DataConfig
+from ingest.datasets.local import DriverUnits
+from ingest.datasets.plan import plan_input
+from ingest.verl.length import count_text_rows
+
+
+def _epoch(files: list[str], model_dir: str, config: DataConfig, *, count_only: bool) -> tuple[pa.Table, int]:
+    """The kept rows' provenance over every unit, and how many prompts were encoded."""
+    plan = plan_input(files, config)
+    driver = DriverUnits(plan, config, plan.context(None, True), model_dir, count_only=count_only)
+    tokenizer = driver.stage.tokenizer
+    encode, encoded = tokenizer.encode_batch, []
+    tokenizer.encode_batch = lambda texts: encoded.extend(texts) or encode(texts)
+    blocks = [block.select(list(PROVENANCE_COLUMNS)) for unit in plan.units for block in driver(unit)]
+    return pa.concat_tables(blocks), len(encoded)
+
+
+@pytest.fixture(scope="module")
+def files_with_bad_rows(variety_files, tmp_path_factory):
+    """The variety rows, plus a file whose prompts are partly not chat messages (quarantined)."""
+    rows = [{"prompt": [{"role": "user", "content": f"question {i} " * (i * 9)}], "data_source": "x"} for i in range(9)]
+    rows[2]["prompt"] = []
+    rows[6]["prompt"] = [{"role": "user", "content": None}]
+    path = tmp_path_factory.mktemp("bad") / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return [*variety_files, str(path)]
+
+
+@pytest.mark.parametrize("row_format", ["verl-0.5", "verl-0.6", "verl-0.9"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"filter_overlong_prompts": True, "max_prompt_length": 340},  # cuts through the prompts' lengths
+        {"filter_overlong_prompts": True, "max_prompt_length": 1024},
+        {"filter_overlong_prompts": False, "max_prompt_length": 340, "truncation": "left"},
+    ],
+)
+def test_counting_keeps_the_rows_the_stage_keeps(files_with_bad_rows, model_dir, row_format, settings):
+    config = DataConfig.from_any({"row_format": row_format, "shuffle": False, **settings})
+    counted, counted_encoded = _epoch(files_with_bad_rows, model_dir, config, count_only=True)
+    made, made_encoded = _epoch(files_with_bad_rows, model_dir, config, count_only=False)
+    assert counted.equals(made)
+    assert 0 < made.num_rows < 219  # quarantined rows, and filtered ones where the filter is on
+    if row_format == "verl-0.9":  # its rows carry no ids: making them encodes only what counting does
+        assert counted_encoded == made_encoded
+    else:
+        assert counted_encoded < made_encoded
+    plan = plan_input(files_with_bad_rows, config)
+    assert count_text_rows(plan, model_dir, config) == made.num_rows
+
+
+def test_counting_an_overlong_prompt_with_truncation_error_raises_as_the_stage_does(variety_files, model_dir):
+    config = DataConfig.from_any({"max_prompt_length": 340, "filter_overlong_prompts": False, "truncation": "error"})
+    with pytest.raises(Exception, match="longer than max_prompt_length=340") as counted:
+        _epoch(variety_files, model_dir, config, count_only=True)
+    with pytest.raises(Exception, match="longer than max_prompt_length=340") as made:
+        _epoch(variety_files, model_dir, config, count_only=False)
+    assert str(counted.value) == str(made.value)  # the same file and row
+
+
+def test_count_only_is_for_text_rows(geo3k_files, model_dir):
+    config = DataConfig()
+    plan = plan_input(geo3k_files, config, multimodal=True)
+    with pytest.raises(ValueError, match="count_only counts text rows"):
+        DriverUnits(plan, config, plan.context(), model_dir, model_dir, count_only=True)
