@@ -12,8 +12,9 @@ kernels differ from the CPU's by rounding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
@@ -32,8 +33,11 @@ def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) ->
 
 class DriverUnits:
     """Reads and runs single read units in this process, blocks exactly as the tokenizer (+ media) actors give
-    them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only`` (text rows): blocks of
-    the kept rows' provenance only, the prompt stage's decisions made without the ids it does not need."""
+    them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only``: the blocks keep the
+    rows an epoch yields, not their model inputs: text rows as the kept rows' provenance (the prompt stage's decisions
+    made without the ids it does not need), media rows as the decode stage's output (a row is only known good once
+    its media decode; every medium is decoded here on the CPU, and no vision stage runs, which drops no row whose
+    media decoded), so any vision placement can be counted here."""
 
     def __init__(
         self,
@@ -46,19 +50,24 @@ class DriverUnits:
         epoch: int = 0,
         count_only: bool = False,
     ):
-        from ingest.stages.media import media_stages
+        from ingest.stages.decode import DecodeStage
+        from ingest.stages.media import counted_block, media_stages
         from ingest.stages.prompt import prompt_stage
 
-        if not driver_can_start(config, processor):
+        if not (count_only or driver_can_start(config, processor)):
             raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
-        if count_only and processor is not None:  # a media row is only known good once its media are decoded
-            raise ValueError("count_only counts text rows; media rows are counted through their media stages")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
-        self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only)
-        # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto" on a
-        # CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
-        one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
-        self.media = media_stages(one_pool, context, processor, "tokenizer")
+        self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only and processor is None)
+        self.media: Callable[[pa.Table], pa.Table] | None
+        if count_only and processor is not None:
+            no_device = {"vision_decode_jpeg_on_device": False, "vision_decode_video_on_device": False}
+            decode = DecodeStage(dataclasses.replace(config, **no_device), context)
+            self.media = functools.partial(counted_block, decode, ledger=context.ledger, stage="decode")
+        else:
+            # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto"
+            # on a CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
+            one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
+            self.media = media_stages(one_pool, context, processor, "tokenizer")
 
     def __call__(self, unit: ReadUnit) -> Iterator[pa.Table]:
         from ingest.stats import stage_unit

@@ -2,12 +2,13 @@
 
 ``len()`` of a verl dataloader sets verl's total training steps, so it must never promise more batches than an
 epoch gives: a Parquet footer counts rows before the filter and the bad-row policy, so the count here is the
-pipeline's own, from one pass over the data with its stages. Text rows are counted in this process, without a
-cluster: the prompt stage's decisions without its rows, a prompt short enough in ASCII characters not even encoded
-(``PromptTokenizeStage(count_only=True)``). Media rows go through the pipeline (``PromptStream``): images are decoded
-too, as a corrupt one is only found there. The result is kept in ``cache_dir`` under a key of everything that
-decides it: the files (paths, row groups, schema, local size and modification time), the row-shaping config and the
-model paths.
+pipeline's own, from one pass over the data with its stages (``DriverUnits(count_only=True)``): text rows through
+the prompt stage's decisions without its rows (a prompt known short without encoding it is not encoded), media rows
+through the prompt and decode stages (a corrupt image is only found by decoding it), no vision stage. Where no
+cluster of several nodes is up, the count runs in this process, a thread per core, without starting one (on a new
+cluster that start alone takes seconds); on a multi-node cluster it runs through the pipeline over every node. The
+result is kept in ``cache_dir`` under a key of everything that decides it: the files (paths, row groups, schema,
+local size and modification time), the row-shaping config and the model paths.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ingest.config import DataConfig
@@ -79,23 +82,42 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
     known = _read(path) if cache else {}
     if key in known:
         return int(known[key])
-    if processor is None:
-        rows = count_text_rows(plan, tokenizer, config)
-    else:  # the stream, not a bare Ray Data read: its driver counts while the cluster starts (that takes seconds)
+    if _on_several_nodes():
         rows = sum(PromptStream(plan.files, tokenizer, config, COUNT_BATCH_ROWS, processor, collate_fn=_num_rows))
+    else:
+        rows = count_rows_here(plan, tokenizer, config, processor)
     logger.info("counted %d rows per epoch (cached in %s)", rows, path)
     if cache:
         _write(path, {**_read(path), key: rows})
     return rows
 
 
-def count_text_rows(plan: InputPlan, tokenizer, config: DataConfig) -> int:
-    """The rows an epoch of text rows over ``plan`` yields, counted in this process: every read unit through the
-    read and the prompt stage that the tokenizer actors run, the stage's decisions without its rows."""
+def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=None) -> int:
+    """The rows an epoch over ``plan`` yields, counted in this process: every read unit through the read and the
+    stages that decide which rows come out (``DriverUnits(count_only=True)``). Units run on a thread per core, each
+    with its own stages (image decoding releases the GIL); an error raises as the first unit in order that has one."""
     from ingest.datasets.local import DriverUnits
 
-    units = DriverUnits(plan, config, plan.context(), tokenizer, count_only=True)
-    return sum(block.num_rows for unit in plan.units for block in units(unit))
+    context = plan.context(None, False, config.image_key)
+    local = threading.local()
+
+    def rows_of(unit) -> int:
+        if not hasattr(local, "units"):
+            local.units = DriverUnits(plan, config, context, tokenizer, processor, count_only=True)
+        return sum(block.num_rows for block in local.units(unit))
+
+    threads = 1 if processor is None else min(len(plan.units), os.cpu_count() or 1)  # text rows: the GIL's work
+    if threads <= 1:
+        return sum(map(rows_of, plan.units))
+    with ThreadPoolExecutor(threads, thread_name_prefix="ingest-count") as pool:
+        return sum(pool.map(rows_of, plan.units))
+
+
+def _on_several_nodes() -> bool:
+    """Whether this process is connected to a Ray cluster of more than one node (whose cores count faster)."""
+    import ray
+
+    return ray.is_initialized() and sum(1 for node in ray.nodes() if node.get("Alive")) > 1
 
 
 def _read(path: Path) -> dict:
