@@ -43,10 +43,11 @@ demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
-# torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it
+# torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
+# --durations: every run prints its slowest tests, so the CI time budget (well under 60 minutes) can be kept
 test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE09)
 	$(PY) -m ruff check ingest actors tests
-	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q tests
+	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests
