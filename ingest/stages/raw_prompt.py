@@ -4,10 +4,10 @@ verl 0.9.1 measures every prompt before its first batch: the tokenizer's templat
 expanded ``input_ids`` for media prompts (every image decoded, resized by qwen-vl-utils and processed; every video
 decoded). Here one batched encode gives the text ids and each image's grid comes from its header and the two resizes
 (qwen-vl-utils', then the processor's), each video's from its container header: no pixel is touched to measure a
-row. A text prompt that renders to at most ``max_prompt_length`` ASCII characters is not encoded at all where the
-tokenizer never makes more ids than characters of ASCII text (``ChatTokenizer.ascii_ids_at_most_chars``): the
-filter keeps it either way. With the filter off nothing is measured (verl 0.9 has no truncation: an overlong prompt
-passes).
+row. A text prompt known to encode to at most ``max_prompt_length`` ids without encoding it (at most that many
+ASCII characters, or UTF-8 bytes of a text the normalizer leaves as it is: ``ChatTokenizer.known_short``) is not
+encoded at all: the filter keeps it either way. With the filter off nothing is measured (verl 0.9 has no
+truncation: an overlong prompt passes).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class RawPromptStage(PromptTokenizeStage):
 
         lengths = media_tokens
         if measure:
-            # a text prompt's length decides only whether it is kept: one short enough in characters is kept unencoded
+            # a text prompt's length decides only whether it is kept: one known short is kept unencoded
             ids = self._ids_unless_short(texts)
             lengths += np.fromiter(map(len, ids), dtype=np.int64, count=n)
         if bad and cfg.on_bad_row == "raise":

@@ -55,8 +55,8 @@ class PromptTokenizeStage:
     ``vision``: the processor geometry on the processor path (None on the text path). Bad rows are quarantined
     (``on_bad_row="quarantine"``, default) or raise ``BadRowError`` (``"raise"``). ``truncation="error"`` on an
     overlong prompt always raises, as in verl. ``count_only``: the same decisions and counts, but the output keeps
-    only the kept rows' provenance (an epoch's row count), and a text prompt short enough in characters is not
-    encoded (``ChatTokenizer.known_short``).
+    only the kept rows' provenance (an epoch's row count), and a text prompt known to be short enough without
+    encoding it is not encoded (``ChatTokenizer.known_short``).
     """
 
     def __init__(
@@ -297,8 +297,8 @@ class PromptTokenizeStage:
 
     def _ids_unless_short(self, texts: list[str]) -> list[list[int]]:
         """The ids of every text prompt but those known to be at most ``max_prompt_length`` ids without encoding them
-        (``ChatTokenizer.known_short``), which get none: the overlong filter keeps them either way. Every prompt's on
-        the processor path (the media add tokens)."""
+        (``ChatTokenizer.known_short``), which get none: the overlong filter keeps them either way. On the processor
+        path every prompt is encoded (the media add tokens)."""
         short = [False] * len(texts)
         if self.vision is None:
             short = self.tokenizer.known_short(texts, self.config.max_prompt_length)

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_FILE = "ingest-epoch-rows.json"
 COUNT_BATCH_ROWS = 4096
+# the prompt stage holds the GIL for part of each media row: beyond a few threads each adds a tokenizer and a decoded
+# unit in memory, not speed
+COUNT_THREADS = 4
 # config keys that change where or how fast rows are made, never which rows come out
 _LAYOUT_KEYS = frozenset(
     {
@@ -73,7 +76,7 @@ def _num_rows(table) -> int:
 
 def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *, cache: bool = True) -> int:
     """Rows one epoch of ``build_dataset(files, tokenizer, config, processor)`` yields: from the cache, else counted
-    (text rows in this process, media rows by running the pipeline once, nothing collated) and cached."""
+    with the stages' decisions only (in this process, or through the pipeline on a multi-node cluster) and cached."""
     from ingest.stream import PromptStream
 
     path = Path(os.path.expanduser(config.cache_dir)) / CACHE_FILE
@@ -94,8 +97,9 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
 
 def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=None) -> int:
     """The rows an epoch over ``plan`` yields, counted in this process: every read unit through the read and the
-    stages that decide which rows come out (``DriverUnits(count_only=True)``). Units run on a thread per core, each
-    with its own stages (image decoding releases the GIL); an error raises as the first unit in order that has one."""
+    stages that decide which rows come out (``DriverUnits(count_only=True)``). Media rows' units run on a thread per
+    core (at most ``COUNT_THREADS``), each with its own stages: image decoding releases the GIL. An error raises as
+    the first unit in order that has one."""
     from ingest.datasets.local import DriverUnits
 
     context = plan.context(None, False, config.image_key)
@@ -106,7 +110,8 @@ def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=No
             local.units = DriverUnits(plan, config, context, tokenizer, processor, count_only=True)
         return sum(block.num_rows for block in local.units(unit))
 
-    threads = 1 if processor is None else min(len(plan.units), os.cpu_count() or 1)  # text rows: the GIL's work
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = 1 if processor is None else min(len(plan.units), cores, COUNT_THREADS)  # text rows: the GIL's work
     if threads <= 1:
         return sum(map(rows_of, plan.units))
     with ThreadPoolExecutor(threads, thread_name_prefix="ingest-count") as pool:
