@@ -191,3 +191,23 @@ def test_epoch_count_is_cached_and_recounted_when_the_data_changes(ray_session, 
     assert count_rows(files, model_dir, config) < first
     unfiltered = DataConfig(filter_overlong_prompts=False, truncation="left", cache_dir=str(tmp_path / "cache"))
     assert count_rows(files, model_dir, unfiltered) == 60  # another config: its own count
+
+
+@pytest.mark.parametrize("media", [False, True], ids=["text", "images"])
+def test_epoch_count_through_the_pipeline_on_several_nodes_equals_the_drivers(
+    ray_session, model_dir, variety_files, geo3k_files, tmp_path, monkeypatch, media
+):
+    """On a multi-node cluster the count runs through the pipeline (``PromptStream``) instead of in the driver; both
+    give the rows the epoch yields."""
+    from ingest.config import DataConfig
+    from ingest.datasets.plan import plan_input
+    from ingest.verl import length
+
+    files, processor = (geo3k_files, model_dir) if media else (variety_files, None)
+    config = DataConfig(max_prompt_length=400, truncation="left", cache_dir=str(tmp_path / "cache"))
+    here = length.count_rows_here(plan_input(files, config, multimodal=media), model_dir, config, processor)
+    monkeypatch.setattr(length, "_on_several_nodes", lambda: True)
+    streamed = []
+    monkeypatch.setattr(length, "_num_rows", lambda table: streamed.append(table.num_rows) or table.num_rows)
+    assert length.count_rows(files, model_dir, config, processor, cache=False) == here
+    assert sum(streamed) == here  # counted from the stream's blocks
