@@ -28,10 +28,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text_rows, image_rows = ((args.rows or []) + [200_000, 2_000][len(args.rows or []) :])[:2]
         print(json.dumps(bench_scaling(text_rows, image_rows, counts=args.actors, work_dir=args.work_dir), indent=2))
         return 0
-    if args.kind == "profile":  # a text row's CPU time per stage, one process, no Ray (--rows: default 200000)
-        from ingest.devtools.profile import bench_profile
+    if args.kind == "profile":  # a row's CPU time per stage, one process, no Ray (--rows: 200000 text, 1000 images)
+        from ingest.devtools.profile import bench_profile, bench_profile_images
 
-        print(json.dumps(bench_profile(rows=(args.rows or [200_000])[0], work_dir=args.work_dir), indent=2))
+        if args.images:
+            result = bench_profile_images(rows=(args.rows or [1000])[0], work_dir=args.work_dir)
+        else:
+            result = bench_profile(rows=(args.rows or [200_000])[0], work_dir=args.work_dir)
+        print(json.dumps(result, indent=2))
         return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9, cold (--rows: text rows, image rows)
         from ingest.devtools.verl09_bench import bench_verl09
@@ -84,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
     bench.add_argument("--skip-verl", action="store_true")
     bench.add_argument(
-        "--images", action="store_true", help="scale only: geo3k-shaped image rows (default 10000 100000), not text"
+        "--images",
+        action="store_true",
+        help="scale / profile: geo3k-shaped image rows (scale: default 10000 100000; profile: 1000), not text",
     )
     bench.add_argument(
         "--record",
