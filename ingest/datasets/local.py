@@ -36,8 +36,9 @@ class DriverUnits:
     them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only``: the blocks keep the
     rows an epoch yields, not their model inputs: text rows as the kept rows' provenance (the prompt stage's decisions
     made without the ids it does not need), media rows as the decode stage's output (a row is only known good once
-    its media decode; every medium is decoded here on the CPU, and no vision stage runs, which drops no row whose
-    media decoded), so any vision placement can be counted here."""
+    its media decode; no vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder
+    are decoded here by PIL, as the vision stage does with any its device refuses; videos left to a device decoder
+    (``vision_decode_video_on_device``) are counted where they are decoded, not here."""
 
     def __init__(
         self,
@@ -56,12 +57,13 @@ class DriverUnits:
 
         if not (count_only or driver_can_start(config, processor)):
             raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
+        if count_only and config.vision_decode_video_on_device:
+            raise ValueError("videos decoded on a device (vision_decode_video_on_device) are counted where decoded")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
         self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only and processor is None)
         self.media: Callable[[pa.Table], pa.Table] | None
         if count_only and processor is not None:
-            no_device = {"vision_decode_jpeg_on_device": False, "vision_decode_video_on_device": False}
-            decode = DecodeStage(dataclasses.replace(config, **no_device), context)
+            decode = DecodeStage(dataclasses.replace(config, vision_decode_jpeg_on_device=False), context)
             self.media = functools.partial(counted_block, decode, ledger=context.ledger, stage="decode")
         else:
             # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto"

@@ -6,7 +6,8 @@ pipeline's own, from one pass over the data with its stages (``DriverUnits(count
 the prompt stage's decisions without its rows (a prompt known short without encoding it is not encoded), media rows
 through the prompt and decode stages (a corrupt image is only found by decoding it), no vision stage. Where no
 cluster of several nodes is up, the count runs in this process, a thread per core, without starting one (on a new
-cluster that start alone takes seconds); on a multi-node cluster it runs through the pipeline over every node. The
+cluster that start alone takes seconds); on a multi-node cluster, or with videos decoded on a device (whose decoder
+alone says which of them decode), it runs through the pipeline. The
 result is kept in ``cache_dir`` under a key of everything that decides it: the files (paths, row groups, schema,
 local size and modification time), the row-shaping config and the model paths.
 """
@@ -85,7 +86,7 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
     known = _read(path) if cache else {}
     if key in known:
         return int(known[key])
-    if _on_several_nodes():
+    if _on_several_nodes() or config.vision_decode_video_on_device:
         rows = sum(PromptStream(plan.files, tokenizer, config, COUNT_BATCH_ROWS, processor, collate_fn=_num_rows))
     else:
         rows = count_rows_here(plan, tokenizer, config, processor)

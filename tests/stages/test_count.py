@@ -92,3 +92,10 @@ def test_counting_media_rows_keeps_the_rows_their_stages_keep(images_with_corrup
     made = sum(block.num_rows for unit in plan.units for block in driver(unit))
     assert 0 < made < sum(info.num_rows for info in plan.infos) - 2
     assert count_rows_here(plan, model_dir, config, model_dir) == made
+
+
+def test_videos_decoded_on_a_device_are_not_counted_in_the_driver(geo3k_files, model_dir):
+    config = DataConfig.from_any({"vision_decode_video_on_device": True})
+    plan = plan_input(geo3k_files, config, multimodal=True)
+    with pytest.raises(ValueError, match="counted where decoded"):
+        DriverUnits(plan, config, plan.context(), model_dir, model_dir, count_only=True)
