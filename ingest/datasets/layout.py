@@ -52,7 +52,8 @@ def choose_layout(cfg: DataConfig, resources: Mapping[str, float], *, media: boo
         if cfg.tokenizer_pool_max_size is not None:
             return Layout("config", "pool size set in the config", cfg.tokenizer_pool_max_size)
         size = max(cfg.tokenizer_pool_min_size, int(cpus) - 1, 1)
-        return Layout("text", f"{cpus:g} CPUs: up to {size} tokenizer actors, one per CPU but the consumer's", size)
+        actors = "actor" if size == 1 else "actors"
+        return Layout("text", f"{cpus:g} CPUs: up to {size} tokenizer {actors}, one per CPU but the consumer's", size)
     tokenizer = cfg.pool_max_size("tokenizer")
     decode, vision = cfg.decode_pool_max_size, cfg.vision_pool_max_size
     if decode is not None or vision is not None:
