@@ -115,8 +115,11 @@ def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=No
     threads = 1 if processor is None else min(len(plan.units), cores, COUNT_THREADS)  # text rows: the GIL's work
     if threads <= 1:
         return sum(map(rows_of, plan.units))
-    with ThreadPoolExecutor(threads, thread_name_prefix="ingest-count") as pool:
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest-count")
+    try:
         return sum(pool.map(rows_of, plan.units))
+    finally:
+        pool.shutdown(cancel_futures=True)  # after an error, the units not started yet are not read
 
 
 def _on_several_nodes() -> bool:

@@ -92,6 +92,13 @@ def test_counting_media_rows_keeps_the_rows_their_stages_keep(images_with_corrup
     made = sum(block.num_rows for unit in plan.units for block in driver(unit))
     assert 0 < made < sum(info.num_rows for info in plan.infos) - 2
     assert count_rows_here(plan, model_dir, config, model_dir) == made
+    strict = DataConfig.from_any({**config.to_dict(), "on_bad_row": "raise"})
+    with pytest.raises(Exception, match="bad image") as counted:
+        count_rows_here(plan, model_dir, strict, model_dir)
+    with pytest.raises(Exception, match="bad image") as making:
+        driver = DriverUnits(plan, strict, plan.context(None, True), model_dir, model_dir)
+        [block for unit in plan.units for block in driver(unit)]
+    assert str(counted.value) == str(making.value)  # the first corrupt image's file and row, from either
 
 
 def test_videos_decoded_on_a_device_are_not_counted_in_the_driver(geo3k_files, model_dir):
