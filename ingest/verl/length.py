@@ -5,11 +5,11 @@ epoch gives: a Parquet footer counts rows before the filter and the bad-row poli
 pipeline's own, from one pass over the data with its stages (``DriverUnits(count_only=True)``): text rows through
 the prompt stage's decisions without its rows (a prompt known short without encoding it is not encoded), media rows
 through the prompt and decode stages (a corrupt image is only found by decoding it), no vision stage. Where no
-cluster of several nodes is up, the count runs in this process, a thread per core, without starting one (on a new
-cluster that start alone takes seconds); on a multi-node cluster, or with videos decoded on a device (whose decoder
-alone says which of them decode), it runs through the pipeline. The
-result is kept in ``cache_dir`` under a key of everything that decides it: the files (paths, row groups, schema,
-local size and modification time), the row-shaping config and the model paths.
+cluster of several nodes is up, the count runs in this process without starting one (on a new cluster that start
+alone takes seconds); on a multi-node cluster, or with videos decoded on a device (whose decoder alone says which of
+them decode), it runs through the pipeline. The result is kept in ``cache_dir`` under a key of everything that
+decides it: the files (paths, row groups, schema, local size and modification time), the row-shaping config and the
+model paths.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _num_rows(table) -> int:
 
 def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *, cache: bool = True) -> int:
     """Rows one epoch of ``build_dataset(files, tokenizer, config, processor)`` yields: from the cache, else counted
-    with the stages' decisions only (in this process, or through the pipeline on a multi-node cluster) and cached."""
+    with the stages' decisions only (in this process, else through the pipeline: see the module) and cached."""
     from ingest.stream import PromptStream
 
     path = Path(os.path.expanduser(config.cache_dir)) / CACHE_FILE

@@ -1,5 +1,6 @@
-"""Counting an epoch of text rows (``PromptTokenizeStage(count_only=True)``, ``length.count_text_rows``): the same
-rows kept, filtered and quarantined as the stage that makes them, with far fewer prompts encoded."""
+"""Counting an epoch (``DriverUnits(count_only=True)``, ``length.count_rows_here``): the same rows kept, filtered and
+quarantined as the stages that make them (text rows with far fewer prompts encoded; image rows through the decode
+stage), and the same error where a row raises."""
 
 from __future__ import annotations
 
