@@ -328,6 +328,13 @@ def _decode_info(value):
     return value
 
 
+def provenance_rows(table: pa.Table, rows) -> pa.Table:
+    """The provenance columns of ``rows`` (positions): what a count keeps of a row (all of them, with the row count,
+    where a table has none)."""
+    names = [name for name in PROVENANCE_COLUMNS if name in table.column_names]
+    return table.select(names).take(pa.array(rows, pa.int64()))
+
+
 def drop_internal_columns(table: pa.Table, keep_provenance: bool) -> pa.Table:
     """The table without the row's token count and (unless ``keep_provenance``) its provenance columns."""
     drop = [PROMPT_TOKENS_COLUMN] + ([] if keep_provenance else list(PROVENANCE_COLUMNS))

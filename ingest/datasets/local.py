@@ -34,9 +34,9 @@ def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) ->
 class DriverUnits:
     """Reads and runs single read units in this process, blocks exactly as the tokenizer (+ media) actors give
     them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only``: the blocks keep the
-    rows an epoch yields, not their model inputs: text rows as the kept rows' provenance (the prompt stage's decisions
-    made without the ids it does not need), media rows as the decode stage's output (a row is only known good once
-    its media decode; no vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder
+    rows an epoch yields as their provenance, not their model inputs: the prompt stage's decisions made without the
+    ids it does not need, and for media rows the decode stage's (a row is only known good once its media decode; no
+    vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder
     are decoded here by PIL, as the vision stage does with any its device refuses; videos left to a device decoder
     (``vision_decode_video_on_device``) are counted where they are decoded, not here."""
 
@@ -57,19 +57,17 @@ class DriverUnits:
 
         if not (count_only or driver_can_start(config, processor)):
             raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
-        if count_only and config.vision_decode_video_on_device:
-            raise ValueError("videos decoded on a device (vision_decode_video_on_device) are counted where decoded")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
-        self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only and processor is None)
         self.media: Callable[[pa.Table], pa.Table] | None
         if count_only and processor is not None:
-            decode = DecodeStage(dataclasses.replace(config, vision_decode_jpeg_on_device=False), context)
+            decode = DecodeStage(config, context, count_only=True)
             self.media = functools.partial(counted_block, decode, ledger=context.ledger, stage="decode")
         else:
             # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto"
             # on a CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
             one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
             self.media = media_stages(one_pool, context, processor, "tokenizer")
+        self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only)
 
     def __call__(self, unit: ReadUnit) -> Iterator[pa.Table]:
         from ingest.stats import stage_unit

@@ -21,6 +21,7 @@ from ingest.blocks import (
     VIDEO_PLANS_COLUMN,
     drop_internal_columns,
     image_rows_array,
+    provenance_rows,
     tensor_record,
 )
 from ingest.config import DataConfig, StageContext
@@ -37,17 +38,25 @@ class DecodeStage:
     column. The provenance columns locate the row; they are dropped here unless ``keep_provenance``. On the processor
     path this is the last stage that drops rows, so it counts ``rows_out`` and their ``prompt_tokens`` (the tokenize
     stage counts rows in, filtered and quarantined): every count only grows, as Prometheus counters must.
+    ``count_only``: the same decoding, decisions and counts, but the output is the kept rows' provenance (an epoch's
+    row count), not their pixels; JPEGs are decoded here, not deferred.
     """
 
-    def __init__(self, config: DataConfig | None = None, context: StageContext | None = None):
+    def __init__(
+        self, config: DataConfig | None = None, context: StageContext | None = None, *, count_only: bool = False
+    ):
         config, context = config or DataConfig(), context or StageContext()
+        self.count_only = count_only
         self.files = list(context.files)
         self.on_bad_row = config.on_bad_row
         self.image_key, self.video_key = config.image_key, config.video_key
         self.keep_provenance = context.keep_provenance
         # leave device-decodable JPEGs (deferrable_jpeg) / video files (decode_video_file) encoded for the vision stage
-        self.defer_jpeg = config.vision_decode_jpeg_on_device
+        # a count decodes JPEGs with PIL, as the vision stage does any its device refuses
+        self.defer_jpeg = config.vision_decode_jpeg_on_device and not count_only
         self.defer_video = config.vision_decode_video_on_device
+        if count_only and self.defer_video:  # only the device's decoder says which of them decode
+            raise ValueError("videos decoded on a device (vision_decode_video_on_device) are counted where decoded")
 
     @property
     def defers(self) -> bool:
@@ -89,6 +98,8 @@ class DecodeStage:
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
         quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
+        if self.count_only:
+            return StageResult(provenance_rows(table, kept), counts, quarantine)
         if bad:
             for name in (MEDIA_BYTES_COLUMN, VIDEO_PLANS_COLUMN)[: 1 + has_plans]:  # consumed: not worth copying
                 table = table.set_column(table.column_names.index(name), name, pa.nulls(table.num_rows))

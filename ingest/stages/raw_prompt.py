@@ -42,7 +42,7 @@ from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
 from ingest.rowformat.raw_prompt import raw_prompt_messages, struct_image_problem
 from ingest.rowformat.text import extra_info_columns
-from ingest.stages.tokenize import PromptTokenizeStage, _provenance_of
+from ingest.stages.tokenize import PromptTokenizeStage
 from ingest.tokenizer.chat import ChatTokenizer
 
 
@@ -148,8 +148,8 @@ class RawPromptStage(PromptTokenizeStage):
         counts, quarantine, kept = self._account(table, bad, valid, keep, lengths)
         if self.vision is None:  # text rows carry no ids here, and not every prompt was encoded
             counts.prompt_tokens = 0
-        if self.count_only:
-            return StageResult(_provenance_of(table, kept), counts, quarantine)
+        if self.count_only:  # verl 0.9 rows' videos stay sources: the decode stage gets no video plans
+            return StageResult(self._counted(table, kept, to_decode, lengths, {}), counts, quarantine)
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(

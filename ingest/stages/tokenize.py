@@ -28,6 +28,7 @@ from ingest.blocks import (
     VIDEO_GRIDS_COLUMN,
     VIDEO_PLAN_STRUCT,
     VIDEO_PLANS_COLUMN,
+    provenance_rows,
 )
 from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError, redact, secret_values
@@ -251,7 +252,9 @@ class PromptTokenizeStage:
                 )
         counts, quarantine, kept = self._account(table, bad, valid, keep, expanded_lengths)
         if self.count_only:
-            return StageResult(_provenance_of(table, kept), counts, quarantine)
+            plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
+            media = {VIDEO_PLANS_COLUMN: pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))}
+            return StageResult(self._counted(table, kept, media_bytes, expanded_lengths, media), counts, quarantine)
         if len(kept) != n:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
@@ -318,6 +321,19 @@ class PromptTokenizeStage:
             counts.rows_out = len(kept)
             counts.prompt_tokens = int(lengths[kept].sum())
         return counts, quarantine, kept
+
+    def _counted(
+        self, table: pa.Table, kept: np.ndarray, media_bytes: list, prompt_tokens: np.ndarray, media: dict
+    ) -> pa.Table:
+        """``count_only``'s output: the kept rows' provenance; on the processor path also what the decode stage needs
+        to find bad media (the encoded images, ``media``'s columns, the prompt tokens), not the rows' model inputs."""
+        rows = provenance_rows(table, kept)
+        if self.vision is None:
+            return rows
+        rows = rows.append_column(MEDIA_BYTES_COLUMN, pa.array(media_bytes, pa.list_(pa.large_binary())).take(kept))
+        for name, column in media.items():
+            rows = rows.append_column(name, column.take(kept))
+        return rows.append_column(PROMPT_TOKENS_COLUMN, pa.array(prompt_tokens[kept]))
 
     def _media_column(self, table: pa.Table, name: str) -> list | None:
         return table.column(name).to_pylist() if self.vision and name in table.column_names else None
@@ -440,12 +456,6 @@ class PromptTokenizeStage:
                 for i in range(len(input_ids))
             ]
         )
-
-
-def _provenance_of(table: pa.Table, rows: np.ndarray) -> pa.Table:
-    """The provenance columns of ``rows`` (all of them, with the row count, where a table has none)."""
-    names = [name for name in PROVENANCE_COLUMNS if name in table.column_names]
-    return table.select(names).take(pa.array(rows, pa.int64()))
 
 
 def _text_as_binary(dtype: pa.DataType) -> pa.DataType:

@@ -8,11 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.blocks import PROVENANCE_COLUMNS
+from ingest.blocks import PROVENANCE_COLUMNS, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.local import DriverUnits
 from ingest.datasets.plan import plan_input
+from ingest.devtools.samples import make_video_file
 from ingest.verl.length import count_rows_here
+from tests.support.media import write_media_rows
 
 
 def _epoch(files: list[str], model_dir: str, config: DataConfig, *, count_only: bool) -> tuple[pa.Table, int]:
@@ -89,10 +91,10 @@ def test_counting_media_rows_keeps_the_rows_their_stages_keep(images_with_corrup
         {"row_format": row_format, "shuffle": False, "max_prompt_length": 400, "truncation": "left"}
     )
     plan = plan_input(images_with_corrupt_ones, config, multimodal=True)
-    driver = DriverUnits(plan, config, plan.context(None, True), model_dir, model_dir)
-    made = sum(block.num_rows for unit in plan.units for block in driver(unit))
-    assert 0 < made < sum(info.num_rows for info in plan.infos) - 2
-    assert count_rows_here(plan, model_dir, config, model_dir) == made
+    made = _media_epoch(plan, model_dir, config, count_only=False)
+    assert 0 < made.num_rows < sum(info.num_rows for info in plan.infos) - 2
+    assert _media_epoch(plan, model_dir, config, count_only=True).equals(made)
+    assert count_rows_here(plan, model_dir, config, model_dir) == made.num_rows
     strict = DataConfig.from_any({**config.to_dict(), "on_bad_row": "raise"})
     with pytest.raises(Exception, match="bad image") as counted:
         count_rows_here(plan, model_dir, strict, model_dir)
@@ -100,6 +102,30 @@ def test_counting_media_rows_keeps_the_rows_their_stages_keep(images_with_corrup
         driver = DriverUnits(plan, strict, plan.context(None, True), model_dir, model_dir)
         [block for unit in plan.units for block in driver(unit)]
     assert str(counted.value) == str(making.value)  # the first corrupt image's file and row, from either
+
+
+def test_counting_video_rows_keeps_the_rows_their_stages_keep(model_dir, tmp_path):
+    good = make_video_file(tmp_path / "good.mp4", 24, 64, 64, 10, faststart=True)
+    data = open(good, "rb").read()
+    (tmp_path / "cut.mp4").write_bytes(data[: int(len(data) * 0.6)])  # its header reads whole, its frames stop short
+    rows = [
+        ("<video>fine", [{"video": good}]),
+        ("<video>cut short", [{"video": str(tmp_path / "cut.mp4")}]),
+        ("<video>missing", [{"video": str(tmp_path / "missing.mp4")}]),
+        ("<video><video>two placeholders", [{"video": good}]),
+        ("<video>fine again", [{"video": good}]),
+    ]
+    path = write_media_rows(tmp_path / "videos.parquet", rows, "videos")
+    config = DataConfig.from_any({"shuffle": False})
+    plan = plan_input([path], config, multimodal=True)
+    made = _media_epoch(plan, model_dir, config, count_only=False)
+    assert made.column(ROW_COLUMN).to_pylist() == [0, 4]
+    assert _media_epoch(plan, model_dir, config, count_only=True).equals(made)
+
+
+def _media_epoch(plan, model_dir: str, config: DataConfig, *, count_only: bool) -> pa.Table:
+    driver = DriverUnits(plan, config, plan.context(None, True), model_dir, model_dir, count_only=count_only)
+    return pa.concat_tables(block.select(list(PROVENANCE_COLUMNS)) for unit in plan.units for block in driver(unit))
 
 
 def test_videos_decoded_on_a_device_are_not_counted_in_the_driver(geo3k_files, model_dir):
