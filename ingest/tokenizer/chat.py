@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from pathlib import Path
 
 from ingest.errors import ModelLoadError
@@ -26,6 +27,26 @@ _PLAIN_FAST_CLASSES = frozenset(
     {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"}
 )
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# parsed tokenizer.json files kept per process, by file version (newest last)
+_PARSED_FILES_KEPT = 4
+_parsed_files: dict[tuple, object] = {}
+_parsing = threading.Lock()
+
+
+def _parsed_tokenizer_file(path: Path):
+    """``tokenizers.Tokenizer.from_file(path)``, parsed once per process and file version: a parse takes about a
+    second, and a driver makes several stages of one tokenizer (an epoch's count on a thread per core, then the first
+    batch). They can share it: nothing here changes a backend, and its encode takes no lock."""
+    from tokenizers import Tokenizer
+
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    with _parsing:  # threads starting together parse the file once
+        if key not in _parsed_files:
+            _parsed_files[key] = Tokenizer.from_file(str(path))
+            while len(_parsed_files) > _PARSED_FILES_KEPT:
+                del _parsed_files[next(iter(_parsed_files))]
+        return _parsed_files[key]
 
 
 def _token_content(value) -> str | None:
@@ -60,9 +81,7 @@ class ChatTokenizer:
         config = json.loads(config_file.read_text())
         if config.get("tokenizer_class") not in _PLAIN_FAST_CLASSES or config.get("auto_map"):
             return False
-        from tokenizers import Tokenizer
-
-        self._backend = Tokenizer.from_file(str(tokenizer_file))
+        self._backend = _parsed_tokenizer_file(tokenizer_file)
         self._hf = None
         self.special_tokens_map = {
             key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None

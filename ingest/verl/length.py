@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_FILE = "ingest-epoch-rows.json"
 COUNT_BATCH_ROWS = 4096
-# the prompt stage holds the GIL for part of each media row: beyond a few threads each adds a tokenizer and a decoded
-# unit in memory, not speed
+# the prompt stage holds the GIL for part of each media row: beyond a few threads each adds a decoded unit in memory,
+# not speed
 COUNT_THREADS = 4
 # config keys that change where or how fast rows are made, never which rows come out
 _LAYOUT_KEYS = frozenset(

@@ -99,3 +99,24 @@ def test_known_short_never_says_short_for_a_longer_text(model_dir, tmp_path):
     assert plain == [True, True, True]
     assert with_nfc == [False, True, True]  # NFC composes the accent: the text changes
     assert with_nfkc == [False, False, True]  # NFKC also splits the ligature
+
+
+def test_tokenizer_file_is_parsed_once_per_version_by_threads_together(model_dir, tmp_path, monkeypatch):
+    import os
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tokenizers
+
+    copy = shutil.copytree(model_dir, tmp_path / "model")
+    parsed = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path: parsed.append(path) or from_file(path))
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: ChatTokenizer(copy), range(4)))
+    assert len(parsed) == 1 and all(t._backend is loaded[0]._backend for t in loaded)
+    fresh = from_file(str(copy / "tokenizer.json"))
+    assert loaded[0].encode_batch(["Hello there"]) == [fresh.encode("Hello there", add_special_tokens=False).ids]
+    stat = os.stat(copy / "tokenizer.json")
+    os.utime(copy / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a new version
+    assert ChatTokenizer(copy)._backend is not loaded[0]._backend and len(parsed) == 2
