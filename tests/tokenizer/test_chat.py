@@ -101,7 +101,8 @@ def test_known_short_never_says_short_for_a_longer_text(model_dir, tmp_path):
     assert with_nfkc == [False, False, True]  # NFKC also splits the ligature
 
 
-def test_tokenizer_file_is_parsed_once_per_version_by_threads_together(model_dir, tmp_path, monkeypatch):
+def test_tokenizer_file_is_parsed_once_per_version_for_its_users_at_the_same_time(model_dir, tmp_path, monkeypatch):
+    import gc
     import os
     import shutil
     from concurrent.futures import ThreadPoolExecutor
@@ -120,3 +121,7 @@ def test_tokenizer_file_is_parsed_once_per_version_by_threads_together(model_dir
     stat = os.stat(copy / "tokenizer.json")
     os.utime(copy / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a new version
     assert ChatTokenizer(copy)._backend is not loaded[0]._backend and len(parsed) == 2
+    del loaded
+    gc.collect()
+    ChatTokenizer(copy)  # the last user gone, not kept: parsed again
+    assert len(parsed) == 3
