@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
+from ingest.memory import return_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
         rows = sum(PromptStream(plan.files, tokenizer, config, COUNT_BATCH_ROWS, processor, collate_fn=_num_rows))
     else:
         rows = count_rows_here(plan, tokenizer, config, processor)
+        return_freed_heap()  # what the count freed (its tokenizer, its batches) is not carried into the epoch
     logger.info("counted %d rows per epoch (cached in %s)", rows, path)
     if cache:
         _write(path, {**_read(path), key: rows})
