@@ -36,8 +36,8 @@ class DriverUnits:
     them; counts and quarantine go to ``context.ledger`` as from the actors. ``count_only``: the blocks keep the
     rows an epoch yields as their provenance, not their model inputs: the prompt stage's decisions made without the
     ids it does not need, and for media rows the decode stage's (a row is only known good once its media decode; no
-    vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder
-    are decoded here by PIL, as the vision stage does with any its device refuses; videos left to a device decoder
+    vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder are decoded here by
+    PIL, as the vision stage does with any its device refuses; videos left to a device decoder
     (``vision_decode_video_on_device``) are counted where they are decoded, not here."""
 
     def __init__(

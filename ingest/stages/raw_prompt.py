@@ -149,7 +149,7 @@ class RawPromptStage(PromptTokenizeStage):
         if self.vision is None:  # text rows carry no ids here, and not every prompt was encoded
             counts.prompt_tokens = 0
         if self.count_only:  # verl 0.9 rows' videos stay sources: the decode stage gets no video plans
-            return StageResult(self._counted(table, kept, to_decode, lengths, {}), counts, quarantine)
+            return StageResult(self._counted(table, kept, to_decode, lengths, None), counts, quarantine)
         if len(kept) != n:
             table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(

@@ -252,9 +252,8 @@ class PromptTokenizeStage:
                 )
         counts, quarantine, kept = self._account(table, bad, valid, keep, expanded_lengths)
         if self.count_only:
-            plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
-            media = {VIDEO_PLANS_COLUMN: pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))}
-            return StageResult(self._counted(table, kept, media_bytes, expanded_lengths, media), counts, quarantine)
+            rows = self._counted(table, kept, media_bytes, expanded_lengths, video_plans)
+            return StageResult(rows, counts, quarantine)
         if len(kept) != n:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
@@ -323,16 +322,19 @@ class PromptTokenizeStage:
         return counts, quarantine, kept
 
     def _counted(
-        self, table: pa.Table, kept: np.ndarray, media_bytes: list, prompt_tokens: np.ndarray, media: dict
+        self, table: pa.Table, kept: np.ndarray, media_bytes: list, prompt_tokens: np.ndarray, video_plans: list | None
     ) -> pa.Table:
         """``count_only``'s output: the kept rows' provenance; on the processor path also what the decode stage needs
-        to find bad media (the encoded images, ``media``'s columns, the prompt tokens), not the rows' model inputs."""
+        to find bad media (the encoded images, the video plans unless None, the prompt tokens), not the rows' model
+        inputs."""
         rows = provenance_rows(table, kept)
         if self.vision is None:
             return rows
-        rows = rows.append_column(MEDIA_BYTES_COLUMN, pa.array(media_bytes, pa.list_(pa.large_binary())).take(kept))
-        for name, column in media.items():
-            rows = rows.append_column(name, column.take(kept))
+        media = [media_bytes[i] for i in kept]
+        rows = rows.append_column(MEDIA_BYTES_COLUMN, pa.array(media, pa.list_(pa.large_binary())))
+        if video_plans is not None:
+            plans = [None if video_plans[i] is None else [v.as_record() for v in video_plans[i]] for i in kept]
+            rows = rows.append_column(VIDEO_PLANS_COLUMN, pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT)))
         return rows.append_column(PROMPT_TOKENS_COLUMN, pa.array(prompt_tokens[kept]))
 
     def _media_column(self, table: pa.Table, name: str) -> list | None:
