@@ -28,12 +28,24 @@ _PLAIN_FAST_CLASSES = frozenset(
     {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"}
 )
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class _ParsedFile:
+    """One parsed ``tokenizer.json``, held by the ``ChatTokenizer`` objects using it: the cache refers to it weakly (a
+    ``tokenizers.Tokenizer`` of 0.22, which verl's pinned environments have, cannot be referenced weakly itself)."""
+
+    __slots__ = ("tokenizer", "__weakref__")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
 # parsed tokenizer.json files in use in this process, by file version; freed with their last user
-_parsed_files: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_parsed_files: weakref.WeakValueDictionary[tuple, _ParsedFile] = weakref.WeakValueDictionary()
 _parsing = threading.Lock()
 
 
-def _parsed_tokenizer_file(path: Path):
+def _parsed_tokenizer_file(path: Path) -> _ParsedFile:
     """``tokenizers.Tokenizer.from_file(path)``, shared by the stages that use one file version at the same time (an
     epoch's count on a thread per core): a parse takes about a second of CPU and ~70 MiB. Nothing here changes a
     backend, and its encode takes no lock. Not kept after its last user: a driver's tokenizer would then stay in memory
@@ -45,7 +57,7 @@ def _parsed_tokenizer_file(path: Path):
     with _parsing:  # threads starting together parse the file once
         parsed = _parsed_files.get(key)
         if parsed is None:
-            parsed = _parsed_files[key] = Tokenizer.from_file(str(path))
+            parsed = _parsed_files[key] = _ParsedFile(Tokenizer.from_file(str(path)))
         return parsed
 
 
@@ -81,7 +93,8 @@ class ChatTokenizer:
         config = json.loads(config_file.read_text())
         if config.get("tokenizer_class") not in _PLAIN_FAST_CLASSES or config.get("auto_map"):
             return False
-        self._backend = _parsed_tokenizer_file(tokenizer_file)
+        self._parsed = _parsed_tokenizer_file(tokenizer_file)  # kept while this object lives
+        self._backend = self._parsed.tokenizer
         self._hf = None
         self.special_tokens_map = {
             key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS if config.get(key) is not None
