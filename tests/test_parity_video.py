@@ -15,7 +15,7 @@ from ingest.errors import BadRowError, find_ingest_error
 from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
-from tests.support.media import needs_torchcodec, write_media_rows
+from tests.support.media import good_and_cut_video_files, needs_torchcodec, write_media_rows
 
 BATCH = 4
 # (dataset kind, with images, config): the 700-token limit filters the two-video rows of the frame-list data
@@ -101,15 +101,12 @@ def test_deferred_video_files_give_the_same_block_as_the_decode_stage(model_dir,
 
 
 def _cut_video_file(tmp_path):
-    """Rows with a video file whose index reads whole (faststart) but whose frames stop at 60% of the file: the
-    tokenize stage plans it from the header, decoding comes up short."""
-    good = make_video_file(tmp_path / "good.mp4", 24, 64, 64, 10, faststart=True)
-    data = open(good, "rb").read()
-    (tmp_path / "cut.mp4").write_bytes(data[: int(len(data) * 0.6)])
+    """Rows with a video file cut short after its header (``good_and_cut_video_files``)."""
+    good, cut = good_and_cut_video_files(tmp_path)
     rows = [
         ("<video>fine", [{"video": good}]),
-        ("<video>cut short", [{"video": str(tmp_path / "cut.mp4")}]),
-        ("<video><video>fine, then cut short", [{"video": good}, {"video": str(tmp_path / "cut.mp4")}]),
+        ("<video>cut short", [{"video": cut}]),
+        ("<video><video>fine, then cut short", [{"video": good}, {"video": cut}]),
         ("<video>fine again", [{"video": good}]),
     ]
     return write_media_rows(tmp_path / "cut-videos.parquet", rows, "videos")

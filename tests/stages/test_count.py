@@ -12,9 +12,8 @@ from ingest.blocks import PROVENANCE_COLUMNS, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.local import DriverUnits
 from ingest.datasets.plan import plan_input
-from ingest.devtools.samples import make_video_file
 from ingest.verl.length import count_rows_here
-from tests.support.media import write_media_rows
+from tests.support.media import good_and_cut_video_files, write_media_rows
 
 
 def _epoch(files: list[str], model_dir: str, config: DataConfig, *, count_only: bool) -> tuple[pa.Table, int]:
@@ -105,12 +104,10 @@ def test_counting_media_rows_keeps_the_rows_their_stages_keep(images_with_corrup
 
 
 def test_counting_video_rows_keeps_the_rows_their_stages_keep(model_dir, tmp_path):
-    good = make_video_file(tmp_path / "good.mp4", 24, 64, 64, 10, faststart=True)
-    data = open(good, "rb").read()
-    (tmp_path / "cut.mp4").write_bytes(data[: int(len(data) * 0.6)])  # its header reads whole, its frames stop short
+    good, cut = good_and_cut_video_files(tmp_path)  # the cut one's header reads whole, its frames stop short
     rows = [
         ("<video>fine", [{"video": good}]),
-        ("<video>cut short", [{"video": str(tmp_path / "cut.mp4")}]),
+        ("<video>cut short", [{"video": cut}]),
         ("<video>missing", [{"video": str(tmp_path / "missing.mp4")}]),
         ("<video><video>two placeholders", [{"video": good}]),
         ("<video>fine again", [{"video": good}]),

@@ -29,6 +29,17 @@ def write_media_rows(
     return str(path)
 
 
+def good_and_cut_video_files(directory) -> tuple[str, str]:
+    """A video file, and a copy of it whose index reads whole (faststart) but whose frames stop at 60% of the file:
+    the tokenize stage plans it from the header, decoding comes up short."""
+    from ingest.devtools.samples import make_video_file
+
+    good = make_video_file(directory / "good.mp4", 24, 64, 64, 10, faststart=True)
+    data = open(good, "rb").read()
+    (directory / "cut.mp4").write_bytes(data[: int(len(data) * 0.6)])
+    return str(good), str(directory / "cut.mp4")
+
+
 def header_only_png(width: int, height: int) -> bytes:
     """A PNG whose header (valid signature, IHDR, CRCs) claims ``width`` x ``height`` RGB but whose image data are a
     few bytes: a reader that trusts the header would plan (or allocate) the whole image before finding out."""
