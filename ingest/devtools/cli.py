@@ -22,11 +22,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         print(json.dumps(bench_scale(rows=args.rows, work_dir=args.work_dir, images=args.images), indent=2))
         return 0
-    if args.kind == "scaling":  # rows/s against tokenizer actor counts, text and images (--rows: text, image rows)
+    if args.kind == "scaling":  # text rows/s by tokenizer actor count, image rows/s by layout (--rows: text, images)
         from ingest.devtools.scaling import bench_scaling
 
         text_rows, image_rows = ((args.rows or []) + [200_000, 2_000][len(args.rows or []) :])[:2]
-        print(json.dumps(bench_scaling(text_rows, image_rows, counts=args.actors, work_dir=args.work_dir), indent=2))
+        result = bench_scaling(text_rows, image_rows, args.actors, args.work_dir, consumers=args.consumers)
+        print(json.dumps(result, indent=2))
         return 0
     if args.kind == "profile":  # a row's CPU time per stage, one process, no Ray (--rows: 200000 text, 1000 images)
         from ingest.devtools.profile import bench_profile, bench_profile_images
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
+    bench.add_argument(
+        "--consumers", type=int, default=4, help="scaling only: stand-in workers taking streaming_split shards"
+    )
     bench.add_argument("--skip-verl", action="store_true")
     bench.add_argument(
         "--images",
