@@ -147,7 +147,11 @@ class PromptStream(ResumableBatches):
                 if rows >= self._rows + self.batch_size:  # the rows to skip and one batch are made
                     if handoff is None:
                         handoff = ClusterHandoff(
-                            lambda first: self._read(plan, units[first:]), len(units), local, self._actors_start_s
+                            lambda first: self._read(plan, units[first:]),
+                            len(units),
+                            local,
+                            self._actors_start_s,
+                            self._driver_keeps_epoch,
                         )
                     if not handoff.claim(local):
                         break
@@ -163,6 +167,14 @@ class PromptStream(ResumableBatches):
         finally:
             if handoff is not None:
                 handoff.close()
+
+    def _driver_keeps_epoch(self) -> str | None:
+        """Asked once the cluster is up: why the driver makes the rest of this text epoch itself, else None."""
+        import ray
+
+        from ingest.datasets.layout import driver_keeps_text_epoch
+
+        return None if self.processor is not None else driver_keeps_text_epoch(self.config, ray.cluster_resources())
 
     def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart

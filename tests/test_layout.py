@@ -14,7 +14,8 @@ import yaml
 
 from ingest import build_dataset
 from ingest.config import DataConfig
-from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout
+from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout, driver_keeps_text_epoch
+from ingest.demo import write_gsm8k_parquet
 from tests.support.cluster import ROOT, cluster_env, free_port, ingest_run_on, start_head, stop_cluster
 
 # joins the cluster at RAY_ADDRESS; per config: the pipeline's operators and the run's summary
@@ -66,6 +67,54 @@ def test_text_rows_get_one_tokenizer_actor_per_cpu_but_the_consumers():
     # media rows keep two tokenizer actors unless set
     assert choose_layout(DataConfig(), {"CPU": 16}).tokenizer_pool_max_size == SEPARATE_POOL_SIZE
     assert choose_layout(DataConfig(tokenizer_pool_max_size=3), {"CPU": 2}).tokenizer_pool_max_size == 3
+
+
+def test_the_driver_keeps_a_text_epoch_only_where_the_layout_is_one_tokenizer_actor():
+    for cpus in (1, 2):
+        assert "the driver alone" in driver_keeps_text_epoch(DataConfig(), {"CPU": cpus})
+    assert driver_keeps_text_epoch(DataConfig(), {"CPU": 4}) is None
+    assert driver_keeps_text_epoch(DataConfig(tokenizer_pool_max_size=1), {"CPU": 2}) is None  # the user's size
+    assert driver_keeps_text_epoch(DataConfig(tokenizer_pool_min_size=2), {"CPU": 2}) is None
+
+
+# a PromptStream over text rows on a new local cluster of args["cpus"] CPUs started before it (as in a trainer):
+# what the handoff logged and a digest of every batch
+STREAM_ON_CLUSTER = """
+import hashlib, json, logging, sys
+import ray
+from ingest.stream import PromptStream
+
+args = json.loads(sys.argv[1])
+ray.init(address="local", num_cpus=args["cpus"], include_dashboard=False, log_to_driver=False)
+logged = []
+handler = logging.Handler()
+handler.emit = lambda record: logged.append(record.getMessage())
+logging.getLogger("ingest.datasets.handoff").addHandler(handler)
+logging.getLogger("ingest.datasets.handoff").setLevel(logging.INFO)
+config = {"shuffle": False, "read_rows_per_task": 100, "max_prompt_length": 1024, "filter_overlong_prompts": True}
+digest, rows = hashlib.sha256(), 0
+for batch in PromptStream(args["files"], args["model"], config, 16):
+    digest.update(batch["input_ids"].numpy().tobytes())
+    rows += len(batch["input_ids"])
+print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows}))
+"""
+
+
+def test_a_two_cpu_cluster_leaves_the_text_epoch_to_the_driver_with_the_same_batches(model_dir, tmp_path):
+    """On 2 CPUs (one tokenizer actor) the driver makes every unit and no actor starts; on 4 the actors take over
+    after the driver's first units. The batches are the same either way."""
+    files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
+    runs = {}
+    for cpus in (2, 4):
+        spec = json.dumps({"cpus": cpus, "files": files, "model": model_dir})
+        proc = subprocess.run(
+            [sys.executable, "-c", STREAM_ON_CLUSTER, spec], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[cpus] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any("the driver makes all 12 read units" in m for m in runs[2]["logged"]), runs[2]["logged"]
+    assert any("the actors the rest" in m for m in runs[4]["logged"]), runs[4]["logged"]
+    assert runs[2]["digest"] == runs[4]["digest"] and 0 < runs[2]["rows"] < 1200  # the filter dropped the long ones
 
 
 def test_sizes_in_the_config_win():

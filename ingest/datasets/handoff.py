@@ -6,7 +6,8 @@ which the actors make nothing; the driver, whose stages are already loaded, make
 in order, so the epoch is split at one read unit: the driver makes the units before it, the actors the units from
 it on. The split is chosen when ``ray.init`` returns: the driver's position plus the units it would make in the time
 the rest of the start is expected to take (the last handoff's wait for the actors' first block, else as long as
-``ray.init`` took). A small epoch may end in the driver before the split is chosen: no actor starts for it.
+``ray.init`` took). A small epoch may end in the driver before the split is chosen: no actor starts for it; nor
+does one where ``driver_keeps`` gives a reason once the cluster is up (the actors would be slower than the driver).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ class ClusterHandoff:
         num_units: int,
         first_unit: int,
         expected_start_s: float | None = None,
+        driver_keeps: Callable[[], str | None] | None = None,
     ):
         self._read, self.num_units = read, num_units
+        self._driver_keeps = driver_keeps
         self._lock = threading.Lock()
         self._claimed = first_unit + 1  # units [0, _claimed) are the driver's: first_unit is the one it makes now
         self._claimed_at_start = first_unit
@@ -96,7 +99,12 @@ class ClusterHandoff:
 
     def _choose_split(self) -> int:
         """Called once the cluster is up: ``elapsed`` is how long joining or starting it took."""
+        reason = self._driver_keeps() if self._driver_keeps is not None else None
         with self._lock:
+            if reason is not None:
+                self._split = self.num_units
+                logger.info("the driver makes all %d read units (%s)", self.num_units, reason)
+                return self._split
             elapsed = time.perf_counter() - self._started
             rate = (self._claimed - self._claimed_at_start) / elapsed if elapsed > 0 else 0.0
             expected = self._expected_start_s if self._expected_start_s is not None else elapsed

@@ -8,6 +8,10 @@ Media rows: the one-pool layout runs decode and vision in the tokenizer actors; 
 a pool of its own. On a small CPU-only cluster every extra actor process costs a start-up and one more object-store
 copy of the pixels, and the one pool is faster; with more cores, or GPU vision actors, stages scale apart
 (docs/benchmarks.md has the measurements behind the threshold). Sizes set in the config always win.
+
+Where the driver makes an epoch's first rows while the cluster starts (``datasets/handoff.py``), text rows on a
+cluster whose layout is a single tokenizer actor stay in the driver for the whole epoch: that actor plus the driver's
+collate make fewer rows/s than the driver alone, and its process costs memory (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -68,3 +72,12 @@ def choose_layout(cfg: DataConfig, resources: Mapping[str, float], *, media: boo
         return Layout("one-pool", reason, tokenizer, 0, 0)
     reason = f"{cpus:g} CPUs > {ONE_POOL_MAX_CPUS}: decode and vision pools of their own"
     return Layout("separate", reason, tokenizer, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
+
+
+def driver_keeps_text_epoch(cfg: DataConfig, resources: Mapping[str, float]) -> str | None:
+    """Why the driver, already making text rows, should make the whole epoch rather than hand it to the actors on a
+    cluster with ``resources``; None where the actors are worth their start (more than one, or sizes the user set)."""
+    layout = choose_layout(cfg, resources, media=False)
+    if layout.name != "text" or layout.tokenizer_pool_max_size > 1:
+        return None
+    return f"text rows, {layout.describe()}: the driver alone makes them faster than that actor with its collate"

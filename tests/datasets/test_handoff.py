@@ -55,6 +55,20 @@ def test_a_split_past_the_end_leaves_every_unit_to_the_driver(ray_session):
     handoff.close()
 
 
+def test_a_reason_to_keep_the_epoch_leaves_every_unit_to_the_driver(ray_session):
+    """A running cluster and nothing expected of its start, but ``driver_keeps`` gives a reason (the actors would be
+    slower): the split is the end, asked once the cluster is up; the actors' read never starts."""
+    reads: list[int] = []
+    asked = []
+    handoff = ClusterHandoff(
+        lambda first: _blocks_from(first, 20, reads), 20, 0, 0.0, lambda: asked.append(1) or "one actor"
+    )
+    assert _wait_for_split(handoff) == 20 and asked == [1]
+    assert all(handoff.claim(unit) for unit in range(1, 20))
+    assert list(handoff.blocks()) == [] and reads == []
+    handoff.close()
+
+
 def test_the_actors_error_reaches_the_consumer_after_the_rows_before_it(ray_session):
     """An error in the actors' read comes out of ``blocks()`` after their earlier blocks, not at the driver's next
     ``claim`` (which would put it before rows that precede it)."""
