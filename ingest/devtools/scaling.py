@@ -114,7 +114,7 @@ def bench_scaling(
 
     def passes(files: list[str], config: dict, processor: str | None) -> dict:
         return {
-            "driver": _rounded(run_ours(files, model, {**BENCH_CONFIG, **config}, processor)),
+            "driver": _rounded(run_ours(files, model, config, processor)),
             "split": _split_pass(files, model, config, processor, workers),
         }
 
