@@ -16,12 +16,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, _start_ray, geo3k_files, gsm8k_files, run_ours
+from ingest.devtools.cold import steady_rows_per_s
 from ingest.devtools.session import cache_dir
 
 
 def _rounded(result: dict) -> dict:
-    steady = (result["rows"] - BATCH_SIZE) / (result["seconds"] - result["time_to_first_batch_s"])
-    return {**{k: round(v, 2) for k, v in result.items()}, "steady_rows_per_s": round(steady, 1)}
+    """A pass's figures rounded, with its steady state (``cold.steady_rows_per_s``)."""
+    return {**{k: round(v, 2) for k, v in result.items()}, "steady_rows_per_s": round(steady_rows_per_s(result), 1)}
 
 
 class ShardConsumer:
