@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,11 +26,13 @@ import pyarrow as pa
 
 from ingest.config import DataConfig
 from ingest.datasets.handoff import ClusterHandoff
-from ingest.datasets.local import DriverUnits, driver_can_start
+from ingest.datasets.local import DriverUnits, driver_can_start, made_in_order
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.memory import return_freed_heap
 from ingest.read.units import UnitIndex
 from ingest.resumable import ResumableBatches
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -43,8 +46,13 @@ class PromptStream(ResumableBatches):
     batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
     ``driver_first_batch``: each (re)started epoch's first batch is made in this process before Ray starts, and the
     next ones while the cluster and the actors start; the actors make the rest (``datasets.local``,
-    ``datasets.handoff``; not where the vision stage runs on GPU actors).
+    ``datasets.handoff``; not where the vision stage runs on GPU actors). Text rows are made on two threads here,
+    and where their layout would be one tokenizer actor the driver makes the whole epoch: on a new local cluster,
+    known before starting it, no cluster starts at all.
     """
+
+    # threads making text units in the driver: one encodes (no GIL) while the other renders and builds its rows
+    DRIVER_TEXT_THREADS = 2
 
     def __init__(
         self,
@@ -132,19 +140,19 @@ class PromptStream(ResumableBatches):
         if not (self.driver_first_batch and driver_can_start(self.config, self.processor)):
             yield from self._read(plan, units)
             return
-        driver = DriverUnits(
-            plan,
-            self.config,
-            plan.context(self.ledger, True, self.config.image_key),
-            self.tokenizer,
-            self.processor,
-            epoch=self.epoch,
-        )
+        skip = self._rows  # kept rows of the first unit handed out before (re)starting: made again, then dropped
         handoff: ClusterHandoff | None = None
-        local = rows = 0
-        try:
-            while local < len(units):
-                if rows >= self._rows + self.batch_size:  # the rows to skip and one batch are made
+        made = 0  # rows the driver has made
+        actors_from = len(units)  # the first unit the actors make
+        keeps = self._driver_keeps_epoch_without_cluster()
+        if keeps is not None:  # no handoff, so no cluster: the epoch never needs one
+            logger.info("the driver makes all %d read units (%s; no Ray cluster started)", len(units), keeps)
+
+        def claimed() -> Iterator:
+            """The units the driver makes, each claimed from the handoff as its thread starts it."""
+            nonlocal handoff, actors_from
+            for local, unit in enumerate(units):
+                if keeps is None and made >= skip + self.batch_size:  # the rows to skip and one batch are made
                     if handoff is None:
                         handoff = ClusterHandoff(
                             lambda first: self._read(plan, units[first:]),
@@ -154,19 +162,36 @@ class PromptStream(ResumableBatches):
                             self._driver_keeps_epoch,
                         )
                     if not handoff.claim(local):
-                        break
-                for block in driver(units[local]):
-                    rows += block.num_rows
-                    yield block
-                local += 1
-            del driver  # its tokenizer (~100 MiB) is not needed again this epoch: the actors make the rest
+                        actors_from = local
+                        return
+                yield unit
+
+        def new_driver() -> DriverUnits:
+            context = plan.context(self.ledger, True, self.config.image_key)
+            return DriverUnits(plan, self.config, context, self.tokenizer, self.processor, epoch=self.epoch)
+
+        threads = self.DRIVER_TEXT_THREADS if self.processor is None else 1
+        try:
+            for block in made_in_order(new_driver, claimed(), threads, "ingest-driver"):
+                made += block.num_rows
+                yield block
+            # the driver's stages and tokenizer (~100 MiB) are gone with its threads: the actors make the rest
             return_freed_heap()
-            if local < len(units):
+            if actors_from < len(units):
                 yield from handoff.blocks()
                 self._actors_start_s = handoff.actors_start_s
         finally:
             if handoff is not None:
                 handoff.close()
+
+    def _driver_keeps_epoch_without_cluster(self) -> str | None:
+        """Why the driver makes this whole text epoch without starting the local cluster it would start, else None:
+        the reason it would give once that cluster is up (``_driver_keeps_epoch``) is known before starting it."""
+        from ingest.datasets.layout import driver_keeps_text_epoch
+        from ingest.datasets.pools import new_local_cluster_resources
+
+        resources = new_local_cluster_resources() if self.processor is None else None
+        return None if resources is None else driver_keeps_text_epoch(self.config, resources)
 
     def _driver_keeps_epoch(self) -> str | None:
         """Asked once the cluster is up: why the driver makes the rest of this text epoch itself, else None."""

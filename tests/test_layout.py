@@ -6,6 +6,7 @@ clusters of different sizes (``ray start``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -77,44 +78,59 @@ def test_the_driver_keeps_a_text_epoch_only_where_the_layout_is_one_tokenizer_ac
     assert driver_keeps_text_epoch(DataConfig(tokenizer_pool_min_size=2), {"CPU": 2}) is None
 
 
-# a PromptStream over text rows on a new local cluster of args["cpus"] CPUs started before it (as in a trainer):
-# what the handoff logged and a digest of every batch
+# a PromptStream over text rows on a new local cluster of args["cpus"] CPUs started before it (as in a trainer), or
+# with no cluster before it on a machine whose CPUs Ray counts as args["machine_cpus"]: what the stream and its
+# handoff logged, whether Ray runs afterwards and a digest of every batch
 STREAM_ON_CLUSTER = """
 import hashlib, json, logging, sys
 import ray
+import ray._private.utils
 from ingest.stream import PromptStream
 
 args = json.loads(sys.argv[1])
-ray.init(address="local", num_cpus=args["cpus"], include_dashboard=False, log_to_driver=False)
+if args.get("cpus"):
+    ray.init(address="local", num_cpus=args["cpus"], include_dashboard=False, log_to_driver=False)
+else:
+    ray._private.utils.get_num_cpus = lambda *a, **k: args["machine_cpus"]
 logged = []
 handler = logging.Handler()
 handler.emit = lambda record: logged.append(record.getMessage())
-logging.getLogger("ingest.datasets.handoff").addHandler(handler)
-logging.getLogger("ingest.datasets.handoff").setLevel(logging.INFO)
+for name in ("ingest.datasets.handoff", "ingest.stream"):
+    logging.getLogger(name).addHandler(handler)
+    logging.getLogger(name).setLevel(logging.INFO)
 config = {"shuffle": False, "read_rows_per_task": 100, "max_prompt_length": 1024, "filter_overlong_prompts": True}
 digest, rows = hashlib.sha256(), 0
 for batch in PromptStream(args["files"], args["model"], config, 16):
     digest.update(batch["input_ids"].numpy().tobytes())
     rows += len(batch["input_ids"])
-print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows}))
+print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, "ray": ray.is_initialized()}))
 """
 
 
 def test_a_two_cpu_cluster_leaves_the_text_epoch_to_the_driver_with_the_same_batches(model_dir, tmp_path):
     """On 2 CPUs (one tokenizer actor) the driver makes every unit and no actor starts; on 4 the actors take over
-    after the driver's first units. The batches are the same either way."""
+    after the driver's first units; on a 2-CPU machine with no cluster yet none starts at all. The batches are the
+    same either way."""
     files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
     runs = {}
-    for cpus in (2, 4):
-        spec = json.dumps({"cpus": cpus, "files": files, "model": model_dir})
+    for name, machine in {"2": {"cpus": 2}, "4": {"cpus": 4}, "none": {"machine_cpus": 2}}.items():
+        spec = json.dumps({**machine, "files": files, "model": model_dir})
         proc = subprocess.run(
-            [sys.executable, "-c", STREAM_ON_CLUSTER, spec], cwd=ROOT, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", STREAM_ON_CLUSTER, spec],
+            cwd=ROOT,
+            env={**os.environ, "RAY_ADDRESS": "local"},
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[cpus] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert any("the driver makes all 12 read units" in m for m in runs[2]["logged"]), runs[2]["logged"]
-    assert any("the actors the rest" in m for m in runs[4]["logged"]), runs[4]["logged"]
-    assert runs[2]["digest"] == runs[4]["digest"] and 0 < runs[2]["rows"] < 1200  # the filter dropped the long ones
+        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any("the driver makes all 12 read units" in m for m in runs["2"]["logged"]), runs["2"]["logged"]
+    assert any("the actors the rest" in m for m in runs["4"]["logged"]), runs["4"]["logged"]
+    assert any("no Ray cluster started" in m for m in runs["none"]["logged"]), runs["none"]["logged"]
+    assert not runs["none"]["ray"] and runs["2"]["ray"]
+    assert runs["2"]["digest"] == runs["4"]["digest"] == runs["none"]["digest"]
+    assert 0 < runs["2"]["rows"] < 1200  # the filter dropped the long ones
 
 
 def test_sizes_in_the_config_win():

@@ -11,16 +11,24 @@ kernels differ from the CPU's by rounding.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import pyarrow as pa
 
 from ingest.config import DataConfig, StageContext
 from ingest.datasets.plan import InputPlan, units_source
 from ingest.read.units import ReadUnit
+
+U = TypeVar("U")
+_NONE_LEFT = object()
+T = TypeVar("T")
 
 
 def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) -> bool:
@@ -79,3 +87,57 @@ class DriverUnits:
             for table in read():
                 for block in stage_unit(self.stage, table, self.config.tokenizer_batch_size, self.context.ledger):
                     yield self.media(block) if self.media is not None else block
+
+
+def made_in_order(
+    new_worker: Callable[[], Callable[[U], Iterable[T]]], items: Iterable[U], threads: int, name: str
+) -> Iterator[T]:
+    """What ``worker(item)`` yields for each of ``items``, in item order, made on ``threads`` threads named ``name``
+    with a worker each (``new_worker()``: its own stages), at most ``threads`` items ahead of the consumer: an item
+    is drawn from ``items`` once the outputs of all but ``threads - 1`` items before it are handed out. An item's error
+    raises after what it yielded before it; items not started by then never are. On one thread everything runs in the
+    caller's, each output as soon as it is made.
+
+    The tokenizer's batch encode and the image decoders release the GIL, so a second thread makes one unit while the
+    first holds the GIL for the Python parts of another (or the caller collates a batch)."""
+    if threads <= 1:
+        worker = new_worker()
+        for item in items:
+            yield from worker(item)
+        return
+    local = threading.local()
+
+    def made(item: U) -> tuple[list[T], Exception | None]:
+        if not hasattr(local, "worker"):
+            local.worker = new_worker()
+        outputs: list[T] = []
+        try:
+            outputs.extend(local.worker(item))
+        except Exception as error:  # raised in the caller's thread, after the outputs before it
+            return outputs, error
+        return outputs, None
+
+    pending: collections.deque = collections.deque()
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    try:
+        remaining = iter(items)
+        while True:
+            if len(pending) == threads:  # the next item is drawn once the oldest one's outputs are handed out
+                yield from _outputs(pending.popleft().result())
+            item = next(remaining, _NONE_LEFT)
+            if item is _NONE_LEFT:
+                break
+            pending.append(pool.submit(made, item))
+        while pending:
+            yield from _outputs(pending.popleft().result())
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown()  # the threads end and their workers (stages, tokenizer) with them
+
+
+def _outputs(made: tuple[list[T], Exception | None]) -> Iterator[T]:
+    outputs, error = made
+    yield from outputs
+    if error is not None:
+        raise error

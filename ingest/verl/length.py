@@ -18,8 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ingest.config import DataConfig
@@ -103,25 +101,18 @@ def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=No
     stages that decide which rows come out (``DriverUnits(count_only=True)``). Media rows' units run on a thread per
     core (at most ``COUNT_THREADS``), each with its own stages: image decoding releases the GIL. An error raises as
     the first unit in order that has one."""
-    from ingest.datasets.local import DriverUnits
+    from ingest.datasets.local import DriverUnits, made_in_order
 
     context = plan.context(None, False, config.image_key)
-    local = threading.local()
-
-    def rows_of(unit) -> int:
-        if not hasattr(local, "units"):
-            local.units = DriverUnits(plan, config, context, tokenizer, processor, count_only=True)
-        return sum(block.num_rows for block in local.units(unit))
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = 1 if processor is None else min(len(plan.units), cores, COUNT_THREADS)  # text rows: the GIL's work
-    if threads <= 1:
-        return sum(map(rows_of, plan.units))
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest-count")
-    try:
-        return sum(pool.map(rows_of, plan.units))
-    finally:
-        pool.shutdown(cancel_futures=True)  # after an error, the units not started yet are not read
+    blocks = made_in_order(
+        lambda: DriverUnits(plan, config, context, tokenizer, processor, count_only=True),
+        plan.units,
+        threads,
+        "ingest-count",
+    )
+    return sum(block.num_rows for block in blocks)
 
 
 def _on_several_nodes() -> bool:
