@@ -180,7 +180,7 @@ def _compare(
 
         _settle()
         ceiling = entry["ceiling"] = _ceiling(files, model, os.cpu_count() or 1)
-        for key in ("ours", "ours_cold"):
+        for key in ("ours", "ours_cold", "ours_cold_verl_loader"):
             share = steady_rows_per_s(entry[key]) / ceiling["rows_per_s"]
             entry[f"steady_share_of_ceiling{key.removeprefix('ours')}"] = round(share, 3)
     if not skip_verl:
