@@ -31,6 +31,8 @@ COUNT_BATCH_ROWS = 4096
 # the prompt stage holds the GIL for part of each media row: beyond a few threads each adds a decoded unit in memory,
 # not speed
 COUNT_THREADS = 4
+# text rows: the template render and the short-prompt check hold the GIL, the encode of the others does not
+COUNT_TEXT_THREADS = 2
 # config keys that change where or how fast rows are made, never which rows come out
 _LAYOUT_KEYS = frozenset(
     {
@@ -98,14 +100,14 @@ def count_rows(files: FilesArg, tokenizer, config: DataConfig, processor=None, *
 
 def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=None) -> int:
     """The rows an epoch over ``plan`` yields, counted in this process: every read unit through the read and the
-    stages that decide which rows come out (``DriverUnits(count_only=True)``). Media rows' units run on a thread per
-    core (at most ``COUNT_THREADS``), each with its own stages: image decoding releases the GIL. An error raises as
-    the first unit in order that has one."""
+    stages that decide which rows come out (``DriverUnits(count_only=True)``). Units run on a thread per core (at
+    most ``COUNT_THREADS`` for media rows, ``COUNT_TEXT_THREADS`` for text), each with its own stages: image decoding
+    and the batch encode release the GIL. An error raises as the first unit in order that has one."""
     from ingest.datasets.local import DriverUnits, made_in_order
 
     context = plan.context(None, False, config.image_key)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = 1 if processor is None else min(len(plan.units), cores, COUNT_THREADS)  # text rows: the GIL's work
+    threads = min(len(plan.units), cores, COUNT_THREADS if processor is not None else COUNT_TEXT_THREADS)
     blocks = made_in_order(
         lambda: DriverUnits(plan, config, context, tokenizer, processor, count_only=True),
         plan.units,
