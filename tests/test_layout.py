@@ -79,19 +79,18 @@ def test_the_driver_keeps_a_text_epoch_only_where_the_layout_is_one_tokenizer_ac
 
 
 # a PromptStream over text rows on a new local cluster of args["cpus"] CPUs started before it (as in a trainer), or
-# with no cluster before it on a machine whose CPUs Ray counts as args["machine_cpus"]: what the stream and its
-# handoff logged, whether Ray runs afterwards and a digest of every batch
+# with no cluster before it on args["machine_cpus"] of this machine's cores: what the stream and its handoff logged,
+# whether Ray runs afterwards and a digest of every batch
 STREAM_ON_CLUSTER = """
-import hashlib, json, logging, sys
+import hashlib, json, logging, os, sys
 import ray
-import ray._private.utils
 from ingest.stream import PromptStream
 
 args = json.loads(sys.argv[1])
 if args.get("cpus"):
     ray.init(address="local", num_cpus=args["cpus"], include_dashboard=False, log_to_driver=False)
 else:
-    ray._private.utils.get_num_cpus = lambda *a, **k: args["machine_cpus"]
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args["machine_cpus"]])
 logged = []
 handler = logging.Handler()
 handler.emit = lambda record: logged.append(record.getMessage())
@@ -109,7 +108,7 @@ print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, 
 
 def test_a_two_cpu_cluster_leaves_the_text_epoch_to_the_driver_with_the_same_batches(model_dir, tmp_path):
     """On 2 CPUs (one tokenizer actor) the driver makes every unit and no actor starts; on 4 the actors take over
-    after the driver's first units; on a 2-CPU machine with no cluster yet none starts at all. The batches are the
+    after the driver's first units; on 2 cores with no cluster yet none starts at all. The batches are the
     same either way."""
     files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
     runs = {}

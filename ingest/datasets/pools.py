@@ -128,15 +128,15 @@ def ray_address_to_join() -> tuple[str, str] | None:
 
 
 def new_local_cluster_resources() -> dict[str, float] | None:
-    """The CPUs of the local cluster ``ensure_ray`` would start (Ray's own count of this machine's CPUs), before
-    starting it; None where Ray is up already or a cluster would be joined (its resources are known once joined)."""
+    """The CPUs of the local cluster ``ensure_ray`` would start, known before starting it: the cores this process may
+    run on (the cluster's processes inherit that set, whatever number Ray counts). None where Ray is up already or a
+    cluster would be joined (its CPUs are known once joined)."""
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
         return None
     if not os.environ.get("RAY_ADDRESS") and ray_address_to_join() is not None:  # a cluster an earlier `ray start` left
         return None
-    from ray._private.utils import get_num_cpus  # what ray.init gives a new local node
-
-    return {"CPU": float(get_num_cpus())}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"CPU": float(cores)}
 
 
 def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:
