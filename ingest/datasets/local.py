@@ -27,8 +27,8 @@ from ingest.datasets.plan import InputPlan, units_source
 from ingest.read.units import ReadUnit
 
 U = TypeVar("U")
-_NONE_LEFT = object()
 T = TypeVar("T")
+_NONE_LEFT = object()  # made_in_order: no item left to draw
 
 
 def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) -> bool:
