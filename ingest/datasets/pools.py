@@ -135,8 +135,12 @@ def new_local_cluster_resources() -> dict[str, float] | None:
         return None
     if not os.environ.get("RAY_ADDRESS") and ray_address_to_join() is not None:  # a cluster an earlier `ray start` left
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"CPU": float(cores)}
+    return {"CPU": float(process_cores())}
+
+
+def process_cores() -> int:
+    """The cores this process may run on (its affinity where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_ray_address(timeout_s: float = RAY_JOIN_TIMEOUT_S) -> None:

@@ -104,10 +104,10 @@ def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=No
     most ``COUNT_THREADS`` for media rows, ``COUNT_TEXT_THREADS`` for text), each with its own stages: image decoding
     and the batch encode release the GIL. An error raises as the first unit in order that has one."""
     from ingest.datasets.local import DriverUnits, made_in_order
+    from ingest.datasets.pools import process_cores
 
     context = plan.context(None, False, config.image_key)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = min(len(plan.units), cores, COUNT_THREADS if processor is not None else COUNT_TEXT_THREADS)
+    threads = min(len(plan.units), process_cores(), COUNT_THREADS if processor is not None else COUNT_TEXT_THREADS)
     blocks = made_in_order(
         lambda: DriverUnits(plan, config, context, tokenizer, processor, count_only=True),
         plan.units,
