@@ -46,13 +46,13 @@ class PromptStream(ResumableBatches):
     batch, as ``DataLoader(drop_last=True)`` does. ``ledger``: a ``RunLedger`` actor that receives the counts.
     ``driver_first_batch``: each (re)started epoch's first batch is made in this process before Ray starts, and the
     next ones while the cluster and the actors start; the actors make the rest (``datasets.local``,
-    ``datasets.handoff``; not where the vision stage runs on GPU actors). Text rows are made on two threads here,
-    and where their layout would be one tokenizer actor the driver makes the whole epoch: on a new local cluster,
-    known before starting it, no cluster starts at all.
+    ``datasets.handoff``; not where the vision stage runs on GPU actors). Rows are made on two threads here, and
+    on a cluster where the actors would be slower than the driver (text rows: one tokenizer actor; media rows: two
+    CPUs) the driver makes the whole epoch: on a new local cluster, known before starting it, no cluster starts.
     """
 
-    # threads making text units in the driver: one encodes (no GIL) while the other renders and builds its rows
-    DRIVER_TEXT_THREADS = 2
+    # threads making units in the driver: one encodes, decodes or resizes (no GIL) while the other runs Python
+    DRIVER_THREADS = 2
 
     def __init__(
         self,
@@ -170,9 +170,8 @@ class PromptStream(ResumableBatches):
             context = plan.context(self.ledger, True, self.config.image_key)
             return DriverUnits(plan, self.config, context, self.tokenizer, self.processor, epoch=self.epoch)
 
-        threads = self.DRIVER_TEXT_THREADS if self.processor is None else 1
         try:
-            for block in made_in_order(new_driver, claimed(), threads, "ingest-driver"):
+            for block in made_in_order(new_driver, claimed(), self.DRIVER_THREADS, "ingest-driver"):
                 made += block.num_rows
                 yield block
             # the driver's stages and tokenizer (~100 MiB) are gone with its threads: the actors make the rest
@@ -185,21 +184,21 @@ class PromptStream(ResumableBatches):
                 handoff.close()
 
     def _driver_keeps_epoch_without_cluster(self) -> str | None:
-        """Why the driver makes this whole text epoch without starting the local cluster it would start, else None:
-        the reason it would give once that cluster is up (``_driver_keeps_epoch``) is known before starting it."""
-        from ingest.datasets.layout import driver_keeps_text_epoch
+        """Why the driver makes this whole epoch without starting the local cluster it would start, else None: the
+        reason it would give once that cluster is up (``_driver_keeps_epoch``) is known before starting it."""
+        from ingest.datasets.layout import driver_keeps_epoch
         from ingest.datasets.pools import new_local_cluster_resources
 
-        resources = new_local_cluster_resources() if self.processor is None else None
-        return None if resources is None else driver_keeps_text_epoch(self.config, resources)
+        resources, media = new_local_cluster_resources(), self.processor is not None
+        return None if resources is None else driver_keeps_epoch(self.config, resources, media=media)
 
     def _driver_keeps_epoch(self) -> str | None:
-        """Asked once the cluster is up: why the driver makes the rest of this text epoch itself, else None."""
+        """Asked once the cluster is up: why the driver makes the rest of this epoch itself, else None."""
         import ray
 
-        from ingest.datasets.layout import driver_keeps_text_epoch
+        from ingest.datasets.layout import driver_keeps_epoch
 
-        return None if self.processor is not None else driver_keeps_text_epoch(self.config, ray.cluster_resources())
+        return driver_keeps_epoch(self.config, ray.cluster_resources(), media=self.processor is not None)
 
     def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
         skip = self._rows  # kept rows of the first unit that were yielded before the restart

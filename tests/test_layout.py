@@ -15,7 +15,7 @@ import yaml
 
 from ingest import build_dataset
 from ingest.config import DataConfig
-from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout, driver_keeps_text_epoch
+from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout, driver_keeps_epoch
 from ingest.demo import write_gsm8k_parquet
 from tests.support.cluster import ROOT, cluster_env, free_port, ingest_run_on, start_head, stop_cluster
 
@@ -70,17 +70,22 @@ def test_text_rows_get_one_tokenizer_actor_per_cpu_but_the_consumers():
     assert choose_layout(DataConfig(tokenizer_pool_max_size=3), {"CPU": 2}).tokenizer_pool_max_size == 3
 
 
-def test_the_driver_keeps_a_text_epoch_only_where_the_layout_is_one_tokenizer_actor():
+def test_the_driver_keeps_an_epoch_only_where_the_actors_would_be_slower():
     for cpus in (1, 2):
-        assert "the driver alone" in driver_keeps_text_epoch(DataConfig(), {"CPU": cpus})
-    assert driver_keeps_text_epoch(DataConfig(), {"CPU": 4}) is None
-    assert driver_keeps_text_epoch(DataConfig(tokenizer_pool_max_size=1), {"CPU": 2}) is None  # the user's size
-    assert driver_keeps_text_epoch(DataConfig(tokenizer_pool_min_size=2), {"CPU": 2}) is None
+        assert "the driver alone" in driver_keeps_epoch(DataConfig(), {"CPU": cpus}, media=False)
+        assert "the driver's two threads" in driver_keeps_epoch(DataConfig(), {"CPU": cpus}, media=True)
+    assert driver_keeps_epoch(DataConfig(), {"CPU": 4}, media=False) is None
+    assert driver_keeps_epoch(DataConfig(), {"CPU": 4}, media=True) is None  # one-pool there, but not measured faster
+    # the user's sizes
+    assert driver_keeps_epoch(DataConfig(tokenizer_pool_max_size=1), {"CPU": 2}, media=False) is None
+    assert driver_keeps_epoch(DataConfig(tokenizer_pool_min_size=2), {"CPU": 2}, media=False) is None
+    assert driver_keeps_epoch(DataConfig(vision_pool_max_size=1), {"CPU": 2}, media=True) is None
+    assert driver_keeps_epoch(DataConfig(decode_pool_max_size=0), {"CPU": 2}, media=True) is None
 
 
-# a PromptStream over text rows on a new local cluster of args["cpus"] CPUs started before it (as in a trainer), or
-# with no cluster before it on args["machine_cpus"] of this machine's cores: what the stream and its handoff logged,
-# whether Ray runs afterwards and a digest of every batch
+# a PromptStream over text or media rows on a new local cluster of args["cpus"] CPUs started before it (as in a
+# trainer), or with no cluster before it on args["machine_cpus"] of this machine's cores: what the stream and its
+# handoff logged, whether Ray runs afterwards and a digest of every batch (ids, and the pixels of media rows)
 STREAM_ON_CLUSTER = """
 import hashlib, json, logging, os, sys
 import ray
@@ -97,23 +102,36 @@ handler.emit = lambda record: logged.append(record.getMessage())
 for name in ("ingest.datasets.handoff", "ingest.stream"):
     logging.getLogger(name).addHandler(handler)
     logging.getLogger(name).setLevel(logging.INFO)
-config = {"shuffle": False, "read_rows_per_task": 100, "max_prompt_length": 1024, "filter_overlong_prompts": True}
+config = {"shuffle": False, "read_rows_per_task": args["unit_rows"], "max_prompt_length": 1024,
+          "filter_overlong_prompts": True}
 digest, rows = hashlib.sha256(), 0
-for batch in PromptStream(args["files"], args["model"], config, 16):
+for batch in PromptStream(args["files"], args["model"], config, 16, args["processor"]):
     digest.update(batch["input_ids"].numpy().tobytes())
+    for inputs in batch.get("multi_modal_inputs", []):
+        digest.update(inputs["pixel_values"].numpy().tobytes())
     rows += len(batch["input_ids"])
 print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, "ray": ray.is_initialized()}))
 """
 
 
-def test_a_two_cpu_cluster_leaves_the_text_epoch_to_the_driver_with_the_same_batches(model_dir, tmp_path):
-    """On 2 CPUs (one tokenizer actor) the driver makes every unit and no actor starts; on 4 the actors take over
-    after the driver's first units; on 2 cores with no cluster yet none starts at all. The batches are the
-    same either way."""
-    files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
+@pytest.mark.parametrize("rows", ["text", "media"])
+def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(rows, geo3k_files, model_dir, tmp_path):
+    """On 2 CPUs (text: one tokenizer actor; media: the one pool) the driver makes every unit and no actor starts;
+    on 4 the actors take over after the driver's first units; on 2 cores with no cluster yet none starts at all.
+    The batches are the same either way."""
+    if rows == "text":
+        files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
+        processor, total, unit_rows = None, 1200, 100
+    else:
+        from ingest.devtools.samples import write_geo3k_parquet
+
+        files = [str(f) for f in write_geo3k_parquet(tmp_path / "data", 160, num_files=1, row_group_size=8)]
+        processor, total, unit_rows = model_dir, 160, 8
     runs = {}
     for name, machine in {"2": {"cpus": 2}, "4": {"cpus": 4}, "none": {"machine_cpus": 2}}.items():
-        spec = json.dumps({**machine, "files": files, "model": model_dir})
+        spec = json.dumps(
+            {**machine, "files": files, "model": model_dir, "processor": processor, "unit_rows": unit_rows}
+        )
         proc = subprocess.run(
             [sys.executable, "-c", STREAM_ON_CLUSTER, spec],
             cwd=ROOT,
@@ -124,12 +142,12 @@ def test_a_two_cpu_cluster_leaves_the_text_epoch_to_the_driver_with_the_same_bat
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert any("the driver makes all 12 read units" in m for m in runs["2"]["logged"]), runs["2"]["logged"]
+    assert any("the driver makes all" in m and f"{rows} rows" in m for m in runs["2"]["logged"]), runs["2"]["logged"]
     assert any("the actors the rest" in m for m in runs["4"]["logged"]), runs["4"]["logged"]
     assert any("no Ray cluster started" in m for m in runs["none"]["logged"]), runs["none"]["logged"]
     assert not runs["none"]["ray"] and runs["2"]["ray"]
     assert runs["2"]["digest"] == runs["4"]["digest"] == runs["none"]["digest"]
-    assert 0 < runs["2"]["rows"] < 1200  # the filter dropped the long ones
+    assert 0 < runs["2"]["rows"] <= total and (rows == "media" or runs["2"]["rows"] < total)  # text: long ones dropped
 
 
 def test_sizes_in_the_config_win():

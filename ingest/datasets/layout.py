@@ -11,7 +11,9 @@ copy of the pixels, and the one pool is faster; with more cores, or GPU vision a
 
 Where the driver makes an epoch's first rows while the cluster starts (``datasets/handoff.py``), text rows on a
 cluster whose layout is a single tokenizer actor stay in the driver for the whole epoch: that actor plus the driver's
-collate make fewer rows/s than the driver alone, and its process costs memory (docs/benchmarks.md).
+collate make fewer rows/s than the driver alone, and its process costs memory. So do media rows on a CPU-only
+cluster of two CPUs: the driver's two threads (decode, resize and encode release the GIL) beat the one-pool actors,
+whose pixels also cross the object store (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from ingest.config import SEPARATE_POOL_SIZE, DataConfig
 
 # a CPU-only cluster with at most this many CPUs gets the one-pool layout
 ONE_POOL_MAX_CPUS = 4
+# media rows stay in the driver (two threads) on a cluster with at most this many CPUs (measured on 2)
+DRIVER_MEDIA_MAX_CPUS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +78,16 @@ def choose_layout(cfg: DataConfig, resources: Mapping[str, float], *, media: boo
     return Layout("separate", reason, tokenizer, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
 
 
-def driver_keeps_text_epoch(cfg: DataConfig, resources: Mapping[str, float]) -> str | None:
-    """Why the driver, already making text rows, should make the whole epoch rather than hand it to the actors on a
-    cluster with ``resources``; None where the actors are worth their start (more than one, or sizes the user set)."""
-    layout = choose_layout(cfg, resources, media=False)
+def driver_keeps_epoch(cfg: DataConfig, resources: Mapping[str, float], *, media: bool) -> str | None:
+    """Why the driver, already making an epoch's rows, should make the whole epoch rather than hand it to the actors
+    on a cluster with ``resources``; None where the actors are worth their start (or the user set the sizes).
+    ``media``: rows with images or videos whose stages the driver runs on the CPU."""
+    layout = choose_layout(cfg, resources, media=media)
+    if media:
+        cpus = resources.get("CPU", 0.0)
+        if layout.name != "one-pool" or cpus > DRIVER_MEDIA_MAX_CPUS:
+            return None
+        return f"media rows, {layout.describe()}: the driver's two threads make them faster than those actors"
     if layout.name != "text" or layout.tokenizer_pool_max_size > 1:
         return None
     return f"text rows, {layout.describe()}: the driver alone makes them faster than that actor with its collate"
