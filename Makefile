@@ -6,6 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLE := .oracle/.installed
 ORACLE06 := .oracle-0.6/.installed
+ORACLE08 := .oracle-0.8/.installed
 ORACLE09 := .oracle-0.9/.installed
 
 .PHONY: install oracle demo test lint bench clean
@@ -37,7 +38,14 @@ $(ORACLE09): requirements/oracle-0.9.txt
 	$(PIP) install -q --no-deps --target .oracle-0.9 -r requirements/oracle-0.9.txt
 	touch $@
 
-oracle: $(ORACLE) $(ORACLE06) $(ORACLE09)
+# verl 0.8.0, a second oracle of row_format verl-0.9: verl alone, run with .oracle-0.8 in front of .oracle-0.9 (it
+# reuses 0.9.1's transformers 5.9 and the rest)
+$(ORACLE08): requirements/oracle-0.8.txt
+	rm -rf .oracle-0.8
+	$(PIP) install -q --no-deps --target .oracle-0.8 -r requirements/oracle-0.8.txt
+	touch $@
+
+oracle: $(ORACLE) $(ORACLE06) $(ORACLE08) $(ORACLE09)
 
 demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
@@ -45,7 +53,7 @@ demo: $(STAMP)
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
 # --durations: every run prints its slowest tests, so the CI time budget (well under 60 minutes) can be kept
-test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE09)
+test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE08) $(ORACLE09)
 	$(PY) -m ruff check ingest actors tests
 	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q --durations=25 tests
 
@@ -57,4 +65,4 @@ bench: $(STAMP) $(ORACLE)
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
-	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.9 out
+	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.8 .oracle-0.9 out

@@ -22,12 +22,13 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
 # the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far;
-# verl-0.9 is the raw_prompt row of verl 0.7 and later (no ids: the rollout tokenizes). "auto": the installed verl's
+# verl-0.9 is the raw_prompt row of verl 0.7 and later (no ids: the rollout tokenizes), checked against verl 0.9.1 and
+# 0.8.0 (whose rows are 0.9.1's, but for path-string media, which 0.8.0 drops). "auto": the installed verl's
 # (resolve_row_format)
 ROW_FORMATS = ("verl-0.5", "verl-0.6", "verl-0.9")
 SEPARATE_POOL_SIZE = 2  # a media pool's max size when its stage has a pool of its own and the config sets none
-# the row format of each verl release line that has one here
-_RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.9": "verl-0.9"}
+# the row format of each verl release line that has one here (each line checked against a release of it as an oracle)
+_RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.8": "verl-0.9", "0.9": "verl-0.9"}
 
 
 def installed_verl_version() -> str | None:
@@ -41,8 +42,8 @@ def installed_verl_version() -> str | None:
 
 
 def resolve_row_format(row_format: str) -> str:
-    """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5, 0.6
-    or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both. An
+    """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5, 0.6,
+    0.8 or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both. An
     explicit format that the installed verl's line does not read (verl 0.5 given verl-0.9 rows) is an error too;
     with no verl installed, or a release line not checked here, any format goes."""
     if row_format != "auto":

@@ -63,8 +63,13 @@ def test_row_format_auto_follows_the_installed_verl(monkeypatch):
     assert DataConfig(row_format="auto").row_format == "verl-0.9"
     with pytest.raises(ValueError, match="row_format verl-0.5 builds rows the installed verl 0.9.1 does not read"):
         DataConfig(row_format="verl-0.5")  # the installed verl cannot consume them: one error naming both
-    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.8.0")  # not checked against an oracle here
-    with pytest.raises(ValueError, match="found verl 0.8.0 installed"):
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.8.0")  # checked against verl 0.8.0 itself
+    assert DataConfig(row_format="auto").row_format == "verl-0.9"
+    assert VerlCollate(row_format="auto").row_format == "verl-0.9"
+    with pytest.raises(ValueError, match="the installed verl 0.8.0 does not read .* set row_format to verl-0.9"):
+        DataConfig(row_format="verl-0.6")
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.7.1")  # not checked against an oracle here
+    with pytest.raises(ValueError, match="found verl 0.7.1 installed"):
         DataConfig(row_format="auto")
     assert DataConfig(row_format="verl-0.9").row_format == "verl-0.9"  # a line not checked here: any format goes
     with pytest.raises(ValueError, match="row_format must be one of"):

@@ -1,16 +1,20 @@
 """``row_format: verl-0.9`` against verl 0.9.1 itself (transformers 5.9 beside it): ``raw_prompt`` rows with their
 content items (text, RGB PIL images, video sources), ``dummy_tensor``, the passthrough and extra_info keys, batch by
 batch, with verl 0.9.1's overlong filter on and off; text, images of every kind (HF ``Image()`` columns, plain
-``{bytes, path}`` structs without that metadata, path strings), videos (frame lists and files)."""
+``{bytes, path}`` structs without that metadata, path strings), videos (frame lists and files). verl 0.8.0 (its
+rows are 0.9.1's) is checked as a second oracle on a subset: text, and Qwen2-VL images from ``Image()`` columns and
+plain structs (``*_verl_08``)."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from ingest.demo import gsm8k_rows
-from ingest.devtools.oracle import oracle_available
+from ingest.devtools.oracle import OracleServer, oracle_available, run_verl
 from ingest.devtools.samples import (
     geo3k_rows,
     geo3k_schema,
@@ -42,12 +46,41 @@ IMAGE_CONFIGS = [
 ]
 
 
+# verl 0.8.0, a second oracle of verl-0.9 (.oracle-0.8, run in front of .oracle-0.9): it has the same RLHFDataset rows
+# as 0.9.1 but for path-string images / videos, which its __getitem__ rejects (TypeError) and its filter drops, and
+# for image_patch_size's default (14 always; 0.9.1 takes the processor's, 14 for Qwen2-VL)
+VERL_08 = "verl-0.8.0"
+requires_verl_08 = pytest.mark.skipif(
+    not oracle_available(VERL_08), reason="verl 0.8.0 oracle not installed (make oracle)"
+)
+_OURS: dict[str, list[dict]] = {}  # our batches per (files, model, config, processor): the 0.8.0 tests reuse them
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_ours_and_verl_08():
+    """At the module's end: our cached batches, and the verl 0.8.0 runner (only this module asks it)."""
+    yield
+    _OURS.clear()
+    if server := OracleServer._running.get(VERL_08):
+        server.close()
+
+
 def _ours(files, model_dir, config: dict, processor=None, batch_size: int = BATCH) -> list[dict]:
-    return formats.ours(files, model_dir, config, ROW_FORMAT, batch_size, processor)
+    key = json.dumps([list(files), model_dir, config, processor, batch_size], sort_keys=True)
+    if key not in _OURS:
+        _OURS[key] = formats.ours(files, model_dir, config, ROW_FORMAT, batch_size, processor)
+    return _OURS[key]
 
 
 def _verl(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
     return formats.verl(files, model_dir, configs, cache, ROW_FORMAT, batch_size, processor)
+
+
+def _verl_08(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
+    """What ``formats.verl`` runs, with verl 0.8.0 as the oracle."""
+    configs = [{**c, "cache_dir": str(cache)} for c in configs]
+    extra = {"configs": configs, "batch_size": batch_size, "processor": processor}
+    return run_verl("rows", files, model_dir, None, row_format=VERL_08, **extra)["runs"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +95,20 @@ def test_text_rows_equal_verl_09(ray_session, variety_files, model_dir, text_run
     ours = _ours(variety_files, model_dir, TEXT_CONFIGS[index])
     assert_same_batches(ours, expected["batches"])
     assert "input_ids" not in ours[0] and ours[0]["prompt"][0] is ours[0]["raw_prompt"][0]  # one object, as in verl
+
+
+@pytest.fixture(scope="module")
+def text_runs_08(variety_files, model_dir, tmp_path_factory):
+    return _verl_08(variety_files, model_dir, TEXT_CONFIGS, tmp_path_factory.mktemp("verl08-cache"))
+
+
+@requires_verl_08
+@pytest.mark.parametrize("index", range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS])
+def test_text_rows_equal_verl_08(ray_session, variety_files, model_dir, text_runs_08, index):
+    """verl 0.8.0 itself (transformers 5.9): the same rows as 0.9.1's, filter on and off."""
+    expected = text_runs_08[index]
+    assert "error" not in expected, expected.get("error")
+    assert_same_batches(_ours(variety_files, model_dir, TEXT_CONFIGS[index]), expected["batches"])
 
 
 def test_rows_without_or_with_null_extra_info_equal_verl_09(ray_session, model_dir, tmp_path):
@@ -88,6 +135,22 @@ def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_run
     expected = image_runs[index]
     assert "error" not in expected, expected.get("error")
     assert (len(expected["rows"]) < 48) == (index == 0)  # 640 tokens: the filter drops the rows with large images
+    assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
+
+
+@pytest.fixture(scope="module")
+def image_runs_08(geo3k_files, model_dir, tmp_path_factory):
+    return _verl_08(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl08-cache"), processor=model_dir)
+
+
+@requires_verl_08
+@pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
+def test_image_rows_equal_verl_08(ray_session, geo3k_files, model_dir, image_runs_08, index):
+    """verl 0.8.0 on the HF ``Image()`` columns with the Qwen2-VL processor: the rows and the filter's choices of
+    0.9.1 (its default image_patch_size of 14 is Qwen2-VL's patch)."""
+    expected = image_runs_08[index]
+    assert "error" not in expected, expected.get("error")
+    assert (len(expected["rows"]) < 48) == (index == 0)
     assert_same_batches(_ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir), expected["batches"])
 
 
@@ -139,6 +202,24 @@ def test_plain_image_struct_rows_equal_verl_09(ray_session, plain_struct_files, 
     assert {"L", "P", "RGBA"} <= {item["image"].mode for item in items}
 
 
+@pytest.fixture(scope="module")
+def plain_struct_runs_08(plain_struct_files, model_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("verl08-cache")
+    return _verl_08(plain_struct_files, model_dir, IMAGE_CONFIGS[:2], cache, processor=model_dir)
+
+
+@requires_verl_08
+@pytest.mark.parametrize("index", range(2), ids=[str(c) for c in IMAGE_CONFIGS[:2]])
+def test_plain_image_struct_rows_equal_verl_08(ray_session, plain_struct_files, model_dir, plain_struct_runs_08, index):
+    """verl 0.8.0 on plain ``{bytes, path}`` structs: the items and the rows its filter keeps (path-only structs
+    dropped) are 0.9.1's."""
+    expected = plain_struct_runs_08[index]
+    assert "error" not in expected, expected.get("error")
+    assert len(expected["rows"]) <= 48 - 7 and (len(expected["rows"]) < 48 - 7) == (index == 0)
+    ours = _ours(plain_struct_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir)
+    assert_same_batches(ours, expected["batches"])
+
+
 def test_plain_image_struct_rows_without_the_filter_equal_verl_09(
     ray_session, plain_struct_files, model_dir, plain_struct_runs, tmp_path
 ):
@@ -182,7 +263,8 @@ def test_plain_image_struct_rows_without_the_filter_equal_verl_09(
 
 def test_image_path_strings_equal_verl_09(ray_session, model_dir, tmp_path):
     """Image values as plain path strings: verl 0.9.1's item holds the path string (``os.fspath``), with the filter
-    on and off."""
+    on and off. Not run against verl 0.8.0: its ``__getitem__`` raises TypeError on a path string and its filter
+    drops the row (0.9.1 accepts path-string images and videos; ours builds 0.9.1's rows)."""
     rows = geo3k_rows(16, seed=2)
     for row in rows:
         paths = []

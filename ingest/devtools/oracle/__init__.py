@@ -3,7 +3,8 @@
 Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need transformers 4.57, 0.9.1 needs
 5.9, so each lives in its own ``--target`` directory (``make oracle`` installs ``.oracle/``, ``.oracle-0.6/`` and
 ``.oracle-0.9/``) and runs with that directory in front of ``PYTHONPATH``, reusing this environment's torch, numpy,
-pyarrow and PIL.
+pyarrow and PIL. Another release of a format's line is an oracle of that format too (``ORACLE_BASES``): verl 0.8.0
+(``.oracle-0.8/``, verl alone) runs with its directory in front of 0.9.1's, whose transformers and the rest it reuses.
 """
 
 from __future__ import annotations
@@ -21,26 +22,39 @@ import time
 from pathlib import Path
 
 ORACLE_DIR_ENV = "INGEST_ORACLE_DIR"  # the verl 0.5.0 oracle's directory, where it is not the repository's
+ORACLE_PATH_ENV = "INGEST_ORACLE_PATH"  # set for the runner: the oracle's directories (oracle_path)
 RUNNER = Path(__file__).with_name("verl_runner.py")
-# row format -> the directory (under the repository) its verl release is installed in
-ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6", "verl-0.9": ".oracle-0.9"}
+# oracle -> the directory (under the repository) its verl release is installed in. An oracle is named by its row
+# format (that format's own release) or, for another release of a format's line, by its release (ORACLE_BASES).
+ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6", "verl-0.9": ".oracle-0.9", "verl-0.8.0": ".oracle-0.8"}
+# a release installed alone (no transformers of its own) -> the oracle whose directory goes behind its own
+ORACLE_BASES = {"verl-0.8.0": "verl-0.9"}
 
 
 def oracle_dir(row_format: str = "verl-0.5") -> Path:
+    """The directory of the oracle ``row_format`` (a row format or a release of ``ORACLE_BASES``)."""
     if row_format == "verl-0.5" and os.environ.get(ORACLE_DIR_ENV):
         return Path(os.environ[ORACLE_DIR_ENV])
     return Path(__file__).resolve().parents[3] / ORACLE_DIRS[row_format]
 
 
+def oracle_path(row_format: str = "verl-0.5") -> list[Path]:
+    """The directories the oracle ``row_format`` runs with, first first: its own, then its base's (if it has one)."""
+    base = ORACLE_BASES.get(row_format)
+    return [oracle_dir(row_format), *(oracle_path(base) if base else [])]
+
+
 def oracle_available(row_format: str = "verl-0.5") -> bool:
-    return (oracle_dir(row_format) / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file()
+    return all((d / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file() for d in oracle_path(row_format))
 
 
 def oracle_environment(row_format: str, scratch: Path) -> dict[str, str]:
-    """This process's environment with the verl release of ``row_format`` in front of ``PYTHONPATH``; ``scratch``
-    holds its HF datasets cache."""
+    """This process's environment with the verl release of the oracle ``row_format`` (and its base's directory) in
+    front of ``PYTHONPATH``; ``scratch`` holds its HF datasets cache."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(oracle_dir(row_format)), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    dirs = [str(d) for d in oracle_path(row_format)]
+    env["PYTHONPATH"] = os.pathsep.join([*dirs, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env[ORACLE_PATH_ENV] = os.pathsep.join(dirs)  # the runner checks that verl and transformers come from them
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle
     # keeps decord, the reader its parity was established with (docs/parity.md)
@@ -59,11 +73,12 @@ def run_verl(
     row_format: str = "verl-0.5",
     **extra,
 ) -> dict:
-    """Run ``verl_runner.py MODE`` with the verl release of ``row_format`` and return what it wrote (rows / batches
-    for ``rows``, timings for ``bench``). ``rows`` requests go to one long-lived runner per release
-    (``OracleServer``); every other mode gets a process of its own."""
+    """Run ``verl_runner.py MODE`` with the verl release of the oracle ``row_format`` (a row format, or a release
+    of ``ORACLE_BASES``) and return what it wrote (rows / batches for ``rows``, timings for ``bench``). ``rows``
+    requests go to one long-lived runner per oracle (``OracleServer``); every other mode gets a process of its own."""
     if not oracle_available(row_format):
-        raise RuntimeError(f"the {row_format} oracle is not installed in {oracle_dir(row_format)} (run `make oracle`)")
+        where = " and ".join(str(d) for d in oracle_path(row_format))
+        raise RuntimeError(f"the {row_format} oracle is not installed in {where} (run `make oracle`)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.pkl"
         spec = {"files": files, "tokenizer": tokenizer, "config": config, "out": str(out), **extra}

@@ -299,11 +299,17 @@ def main():
 
 
 def _check_oracle_transformers() -> None:
-    """The oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1), not this environment's."""
+    """The oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1 and for 0.8.0, from 0.9.1's
+    directory behind its own), not this environment's; and the oracle's own verl (0.8.0's, not the 0.9.1 behind it)."""
     import transformers
+    import verl
 
-    oracle_dir = os.environ["PYTHONPATH"].split(os.pathsep)[0]
-    assert os.path.realpath(transformers.__file__).startswith(os.path.realpath(oracle_dir)), transformers.__file__
+    # the oracle's directories, its own first (INGEST_ORACLE_PATH, set by oracle_environment), else PYTHONPATH's first
+    oracle_dirs = [os.path.realpath(d) for d in os.environ.get("INGEST_ORACLE_PATH", "").split(os.pathsep) if d]
+    oracle_dirs = oracle_dirs or [os.path.realpath(os.environ["PYTHONPATH"].split(os.pathsep)[0])]
+    found = os.path.realpath(transformers.__file__)
+    assert any(found.startswith(d + os.sep) for d in oracle_dirs), transformers.__file__
+    assert os.path.realpath(verl.__file__).startswith(oracle_dirs[0] + os.sep), verl.__file__
 
 
 def _rows(spec: dict) -> None:
