@@ -70,26 +70,31 @@ def image_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-def decode_rgb(data: bytes) -> tuple[np.ndarray, dict]:
-    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info."""
+def decode_rgb(data: bytes, *, pixels: bool = True) -> tuple[np.ndarray, dict]:
+    """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info.
+    ``pixels=False`` (a count: only whether it decodes matters): the same decode, but where PIL decodes, an empty
+    (H, W, 0) array instead of the copy of its pixels."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
         stored = stored_png(data) if image.format == "PNG" else None
         if stored is None:  # not a PNG, or one whose data is not sound: PIL accepts or rejects it, as verl's would
-            return _pil_rgb(image)
+            return _pil_rgb(image, pixels)
         # libspng only on data that inflated soundly: it accepts some corrupt streams that PIL rejects
         if image.mode in ("RGB", "RGBA") and plain_png(data):  # gray and palette PNGs: libspng is no faster
             rgb = _spng_rgb(stored)
             if rgb is not None:  # PIL's header gave the info: nothing after the image data adds to it
                 return rgb, dict(image.info)
         with Image.open(io.BytesIO(stored)) as restored:  # the same chunks around the data: same pixels and info
-            return _pil_rgb(restored)
+            return _pil_rgb(restored, pixels)
 
 
-def _pil_rgb(image) -> tuple[np.ndarray, dict]:
+def _pil_rgb(image, pixels: bool = True) -> tuple[np.ndarray, dict]:
     # for an RGB image convert("RGB") is a copy (same pixels, same info): skip it (a fifth of decode's CPU here)
     rgb = image if image.mode == "RGB" else image.convert("RGB")
+    if not pixels:
+        rgb.load()  # the decode, where a bad image fails; the pixels' copy into an array cannot
+        return np.empty((rgb.height, rgb.width, 0), dtype=np.uint8), dict(rgb.info)
     return np.asarray(rgb), dict(rgb.info)  # asarray loads the pixels first, as convert does
 
 

@@ -69,7 +69,7 @@ class DecodeStage:
             header = deferrable_jpeg(data)
             if header is not None:
                 return (*header, data)
-        return (*decode_rgb(data), None)
+        return (*decode_rgb(data, pixels=not self.count_only), None)
 
     def __call__(self, table: pa.Table) -> StageResult:
         if MEDIA_BYTES_COLUMN not in table.column_names:  # not a block of the tokenize stage's processor path

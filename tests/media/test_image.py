@@ -144,3 +144,26 @@ def test_png_image_data_inflated_by_libdeflate_decodes_to_pils_pixels():
         else:
             assert np.array_equal(decode_rgb(png)[0], expected[0]), name
     assert struct.unpack_from(">I", stored_png(rgb), 8)[0] == 13  # IHDR first, untouched
+
+
+def test_a_count_decodes_as_the_epoch_does_without_the_pixels_copy():
+    """``decode_rgb(pixels=False)``: where PIL decodes, the same decode (a truncated image fails the same way) and
+    ``info``, the size in an empty (H, W, 0) array instead of the pixels."""
+    import random
+
+    from ingest.media.image import decode_rgb
+
+    rng = random.Random(13)
+    for kind in ("png", "gray", "palette", "rgba", "jpeg"):
+        data = encode_image(*make_image(kind, rng))
+        pixels, info = decode_rgb(data)
+        counted, counted_info = decode_rgb(data, pixels=False)
+        assert counted.shape[:2] == pixels.shape[:2] and counted_info == info, kind
+        if counted.shape[2] == 0:  # PIL decoded it (libspng's plain RGB PNGs keep their array)
+            assert counted.dtype == np.uint8, kind
+        cut = data[: len(data) // 2]
+        with pytest.raises(Exception) as full:
+            decode_rgb(cut)
+        with pytest.raises(Exception) as count:
+            decode_rgb(cut, pixels=False)
+        assert (type(count.value), str(count.value)) == (type(full.value), str(full.value)), kind
