@@ -115,7 +115,7 @@ print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, 
 
 
 @pytest.mark.parametrize("rows", ["text", "media"])
-def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(rows, geo3k_files, model_dir, tmp_path):
+def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(rows, model_dir, tmp_path):
     """On 2 CPUs (text: one tokenizer actor; media: the one pool) the driver makes every unit and no actor starts;
     on 4 the actors take over after the driver's first units; on 2 cores with no cluster yet none starts at all.
     The batches are the same either way."""

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.demo import gsm8k_rows
-from ingest.devtools.oracle import OracleServer, oracle_available, run_verl
+from ingest.devtools.oracle import OracleServer, oracle_available
 from ingest.devtools.samples import (
     geo3k_rows,
     geo3k_schema,
@@ -77,10 +77,8 @@ def _verl(files, model_dir, configs: list[dict], cache, processor=None, batch_si
 
 
 def _verl_08(files, model_dir, configs: list[dict], cache, processor=None, batch_size: int = BATCH) -> list[dict]:
-    """What ``formats.verl`` runs, with verl 0.8.0 as the oracle."""
-    configs = [{**c, "cache_dir": str(cache)} for c in configs]
-    extra = {"configs": configs, "batch_size": batch_size, "processor": processor}
-    return run_verl("rows", files, model_dir, None, row_format=VERL_08, **extra)["runs"]
+    """What ``_verl`` runs, with verl 0.8.0 as the oracle."""
+    return formats.verl(files, model_dir, configs, cache, VERL_08, batch_size, processor)
 
 
 @pytest.fixture(scope="module")
