@@ -6,6 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLE := .oracle/.installed
 ORACLE06 := .oracle-0.6/.installed
+ORACLE07 := .oracle-0.7/.installed
 ORACLE08 := .oracle-0.8/.installed
 ORACLE09 := .oracle-0.9/.installed
 
@@ -45,7 +46,13 @@ $(ORACLE08): requirements/oracle-0.8.txt
 	$(PIP) install -q --no-deps --target .oracle-0.8 -r requirements/oracle-0.8.txt
 	touch $@
 
-oracle: $(ORACLE) $(ORACLE06) $(ORACLE08) $(ORACLE09)
+# verl 0.7.1, the oracle of row_format verl-0.7: verl alone, run like 0.8.0 in front of .oracle-0.9
+$(ORACLE07): requirements/oracle-0.7.txt
+	rm -rf .oracle-0.7
+	$(PIP) install -q --no-deps --target .oracle-0.7 -r requirements/oracle-0.7.txt
+	touch $@
+
+oracle: $(ORACLE) $(ORACLE06) $(ORACLE07) $(ORACLE08) $(ORACLE09)
 
 demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
@@ -53,7 +60,7 @@ demo: $(STAMP)
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
 # --durations: every run prints its slowest tests, so the CI time budget (well under 60 minutes) can be kept
-test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE08) $(ORACLE09)
+test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE07) $(ORACLE08) $(ORACLE09)
 	$(PY) -m ruff check ingest actors tests
 	LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q --durations=25 tests
 
@@ -65,4 +72,4 @@ bench: $(STAMP) $(ORACLE)
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
-	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.8 .oracle-0.9 out
+	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.7 .oracle-0.8 .oracle-0.9 out

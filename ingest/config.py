@@ -22,13 +22,19 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("left", "right", "middle", "error")
 # the verl release whose RLHFDataset rows (and collate_fn) the pipeline hands out; verl-0.6 covers text prompts so far;
-# verl-0.9 is the raw_prompt row of verl 0.7 and later (no ids: the rollout tokenizes), checked against verl 0.9.1 and
-# 0.8.0 (whose rows are 0.9.1's, but for path-string media, which 0.8.0 drops). "auto": the installed verl's
-# (resolve_row_format)
-ROW_FORMATS = ("verl-0.5", "verl-0.6", "verl-0.9")
+# verl-0.7 and verl-0.9 are the raw_prompt rows of verl 0.7 and later (no ids: the rollout tokenizes): verl-0.9 checked
+# against verl 0.9.1 and 0.8.0 (whose rows are 0.9.1's, but for path-string media, which 0.8.0 drops), verl-0.7
+# against 0.7.1 (0.9.1's rows; its filter measures a media prompt without expanding the media, and it takes no
+# path-string media). "auto": the installed verl's (resolve_row_format)
+ROW_FORMATS = ("verl-0.5", "verl-0.6", "verl-0.7", "verl-0.9")
+RAW_PROMPT_FORMATS = ("verl-0.7", "verl-0.9")
 SEPARATE_POOL_SIZE = 2  # a media pool's max size when its stage has a pool of its own and the config sets none
 # the row format of each verl release line that has one here (each line checked against a release of it as an oracle)
-_RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.8": "verl-0.9", "0.9": "verl-0.9"}
+_RELEASE_LINES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.7": "verl-0.7", "0.8": "verl-0.9", "0.9": "verl-0.9"}
+# releases of those lines whose rows differ from the release their line was checked against
+_RELEASES_APART = {
+    "0.7.0": "its image-struct and video items and, under transformers 5, its text filter's lengths differ from 0.7.1's"
+}
 
 
 def installed_verl_version() -> str | None:
@@ -41,16 +47,23 @@ def installed_verl_version() -> str | None:
         return None
 
 
+def _release_line(installed: str) -> str | None:
+    """The row format of the verl release ``installed``; None for a release none is checked against."""
+    if installed in _RELEASES_APART:
+        return None
+    return _RELEASE_LINES.get(".".join(installed.split(".")[:2]))
+
+
 def resolve_row_format(row_format: str) -> str:
     """``row_format`` as one of ``ROW_FORMATS``. ``auto``: the format of the installed verl's release line (0.5, 0.6,
-    0.8 or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both. An
-    explicit format that the installed verl's line does not read (verl 0.5 given verl-0.9 rows) is an error too;
-    with no verl installed, or a release line not checked here, any format goes."""
+    0.7, 0.8 or 0.9), ``verl-0.5`` where no verl is installed; a release with no format here is an error naming both.
+    An explicit format that the installed verl's line does not read (verl 0.5 given verl-0.9 rows) is an error too;
+    with no verl installed, or a release not checked here, any format goes."""
     if row_format != "auto":
         if row_format not in ROW_FORMATS:
             raise ValueError(f"row_format must be one of {(*ROW_FORMATS, 'auto')}, got {row_format!r}")
         installed = installed_verl_version()
-        line = _RELEASE_LINES.get(".".join(installed.split(".")[:2])) if installed else None
+        line = _release_line(installed) if installed else None
         if line is not None and line != row_format:
             raise ValueError(
                 f"row_format {row_format} builds rows the installed verl {installed} does not read (it reads "
@@ -60,10 +73,11 @@ def resolve_row_format(row_format: str) -> str:
     installed = installed_verl_version()
     if installed is None:
         return "verl-0.5"
-    line = _RELEASE_LINES.get(".".join(installed.split(".")[:2]))
+    line = _release_line(installed)
     if line is None:
+        why = f" ({_RELEASES_APART[installed]})" if installed in _RELEASES_APART else ""
         raise ValueError(
-            f"row_format: auto found verl {installed} installed, whose rows this pipeline does not build yet "
+            f"row_format: auto found verl {installed} installed, whose rows this pipeline does not build yet{why} "
             f"(row formats: {', '.join(ROW_FORMATS)}); set row_format to one of them"
         )
     return line
@@ -225,10 +239,10 @@ class DataConfig:
             raise ValueError("read_rows_per_task and tokenizer_batch_size must be >= 1")
         if self.read_first_unit_rows < 0:
             raise ValueError(f"read_first_unit_rows must be >= 0, got {self.read_first_unit_rows}")
-        if self.row_format == "verl-0.9" and (self.vision_decode_jpeg_on_device or self.vision_decode_video_on_device):
+        if self.raw_prompt_rows and (self.vision_decode_jpeg_on_device or self.vision_decode_video_on_device):
             raise ValueError(
-                "row_format verl-0.9 rows carry images and video sources, not model inputs: there is no vision stage "
-                "to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
+                f"row_format {self.row_format} rows carry images and video sources, not model inputs: there is no "
+                "vision stage to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
             )
         if self.function_tool_path and self.row_format == "verl-0.9":
             raise ValueError(
@@ -262,6 +276,11 @@ class DataConfig:
         if unknown:
             logger.warning("ignoring unknown data config keys: %s", ", ".join(map(str, unknown)))
         return cls(**known)
+
+    @property
+    def raw_prompt_rows(self) -> bool:
+        """Whether the rows are verl 0.7 and later's ``raw_prompt`` rows (no ids: the rollout tokenizes)."""
+        return self.row_format in RAW_PROMPT_FORMATS
 
     def pool_max_size(self, pool: str) -> int:
         """A pool's max size: the config's, or ``SEPARATE_POOL_SIZE`` where the size is unset and no cluster layout was

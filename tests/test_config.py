@@ -68,11 +68,18 @@ def test_row_format_auto_follows_the_installed_verl(monkeypatch):
     assert VerlCollate(row_format="auto").row_format == "verl-0.9"
     with pytest.raises(ValueError, match="the installed verl 0.8.0 does not read .* set row_format to verl-0.9"):
         DataConfig(row_format="verl-0.6")
-    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.7.1")  # not checked against an oracle here
-    with pytest.raises(ValueError, match="found verl 0.7.1 installed"):
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.7.1")
+    assert DataConfig(row_format="auto").row_format == "verl-0.7"
+    assert VerlCollate(row_format="auto").row_format == "verl-0.7"
+    with pytest.raises(ValueError, match="the installed verl 0.7.1 does not read .* set row_format to verl-0.7"):
+        DataConfig(row_format="verl-0.9")
+    monkeypatch.setattr(config, "installed_verl_version", lambda: "0.7.0")  # its rows differ from 0.7.1's
+    with pytest.raises(ValueError, match="found verl 0.7.0 installed, .* differ from 0.7.1's"):
         DataConfig(row_format="auto")
-    assert DataConfig(row_format="verl-0.9").row_format == "verl-0.9"  # a line not checked here: any format goes
+    assert DataConfig(row_format="verl-0.7").row_format == "verl-0.7"  # a release not checked here: any format goes
     with pytest.raises(ValueError, match="row_format must be one of"):
         DataConfig(row_format="verl-1.0")
     with pytest.raises(ValueError, match="no vision stage"):
         DataConfig(row_format="verl-0.9", vision_decode_jpeg_on_device=True)
+    with pytest.raises(ValueError, match="row_format verl-0.7 rows carry"):
+        DataConfig(row_format="verl-0.7", vision_decode_video_on_device=True)

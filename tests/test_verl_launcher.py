@@ -1,6 +1,6 @@
-"""``python -m ingest.verl.main_ppo``: verl's own entry point (Hydra config, checks, task runner) of 0.5.0, 0.6.1 and
-0.9.1 (v1 and legacy trainers), each in its oracle environment, with the command line a verl user runs. On this
-CPU machine the run goes through everything verl does before it places its GPU workers: the task runner, the
+"""``python -m ingest.verl.main_ppo``: verl's own entry point (Hydra config, checks, task runner) of 0.5.0, 0.6.1,
+0.7.1 and 0.9.1 (v1 and legacy trainers), each in its oracle environment, with the command line a verl user runs. On
+this CPU machine the run goes through everything verl does before it places its GPU workers: the task runner, the
 datasets (``IngestDataset`` through ``data.custom_cls``, counted by the pipeline), the trainer class (ours), verl's
 dataloader code and step arithmetic; then verl's own resource check stops it, which is the expected end here."""
 
@@ -31,6 +31,7 @@ MODEL_CONFIG = {
 CASES = {  # id: (row format of the oracle, trainer class verl builds, overrides of that release)
     "verl-0.5": ("verl-0.5", "IngestRayPPOTrainer", ["ray_init.num_cpus=8"]),
     "verl-0.6": ("verl-0.6", "IngestRayPPOTrainer", ["ray_kwargs.ray_init.num_cpus=8"]),
+    "verl-0.7": ("verl-0.7", "IngestRayPPOTrainer", ["ray_kwargs.ray_init.num_cpus=8"]),
     "verl-0.9-v1": (
         "verl-0.9",
         "IngestPPOTrainerSync",

@@ -1,5 +1,5 @@
 """``ingest.verl``: the dataloader adapter inside verl's own trainer code, each release in its oracle environment, on
-CPU. ``RayPPOTrainer`` of verl 0.5.0, 0.6.1 and 0.9.1 (legacy): datasets from its ``TaskRunner``'s
+CPU. ``RayPPOTrainer`` of verl 0.5.0, 0.6.1, 0.7.1 and 0.9.1 (legacy): datasets from its ``TaskRunner``'s
 ``create_rl_dataset`` with ``data.custom_cls`` = ``IngestDataset``, ``_create_dataloader`` and its steps arithmetic,
 ``fit``'s lines on every batch up to the rollout hand-off. verl 0.9.1's v1 trainers: ``_init_dataloader``, each
 step's ``_add_batch_to_generate`` into a real TransferQueue. Both: ``data.pt`` saved and loaded by verl's own lines,
@@ -18,11 +18,11 @@ from ingest.verl.length import CACHE_FILE
 
 BATCH, EPOCHS, SAVE_AFTER = 8, 2, 5
 # verl's generation pops per release: 0.5 / 0.6 pop the id tensors, 0.9 rows have none (dummy_tensor stays)
-GEN_TENSORS = {"verl-0.5": ["attention_mask", "input_ids", "position_ids"], "verl-0.9": []}
+GEN_TENSORS = {"verl-0.5": ["attention_mask", "input_ids", "position_ids"], "verl-0.7": [], "verl-0.9": []}
 GEN_TENSORS["verl-0.6"] = GEN_TENSORS["verl-0.5"]
 # what stays in the batch: 0.5 pops its generation keys only (the uid comes later), 0.6 on keep the reward keys
 REST = {"verl-0.5": ["ability", "data_source", "extra_info", "reward_model"]}
-REST["verl-0.6"] = REST["verl-0.9"] = ["data_source", "extra_info", "reward_model", "uid"]
+REST["verl-0.6"] = REST["verl-0.7"] = REST["verl-0.9"] = ["data_source", "extra_info", "reward_model", "uid"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _data_config(train, val, row_format, cache_dir) -> dict:
     }
 
 
-@pytest.mark.parametrize("row_format", ["verl-0.5", "verl-0.6", "verl-0.9"])
+@pytest.mark.parametrize("row_format", ["verl-0.5", "verl-0.6", "verl-0.7", "verl-0.9"])
 def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir, tmp_path, row_format):
     if not oracle_available(row_format):
         pytest.skip(f"the {row_format} oracle is not installed (make oracle)")

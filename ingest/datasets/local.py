@@ -34,7 +34,7 @@ _NONE_LEFT = object()  # made_in_order: no item left to draw
 def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) -> bool:
     """Whether the driver makes the first batch: text rows, verl 0.9 rows (no vision stage), and media rows whose
     vision stage runs on the CPU."""
-    if processor is None or config.row_format == "verl-0.9":
+    if processor is None or config.raw_prompt_rows:
         return True
     return config.vision_num_gpus == 0 and config.vision_device in ("auto", "cpu")
 

@@ -101,7 +101,7 @@ def check_row_format(cfg: DataConfig, processor: str | os.PathLike | None) -> No
     if family is not None and built is not None and family not in built:
         raise ValueError(
             f"row_format {cfg.row_format} builds the rows of the Qwen-VL processors {', '.join(built)}; "
-            f"the processor {processor} is a {family} (verl-0.9 rows carry the media for any processor)"
+            f"the processor {processor} is a {family} (verl-0.7 / verl-0.9 rows carry the media for any processor)"
         )
 
 

@@ -57,7 +57,7 @@ def build_dataset(
     media = actor_kwargs(cfg, context, processor=processor)
     if cfg.decode_pool_max_size > 0:
         ds = map_on_pool(ds, cfg, "decode", DecodeActor, media)
-    if cfg.row_format == "verl-0.9" or cfg.vision_pool_max_size == 0:  # verl 0.9 rows: the rollout processes media
+    if cfg.raw_prompt_rows or cfg.vision_pool_max_size == 0:  # verl 0.9 rows: the rollout processes media
         return ds
     return map_on_pool(ds, cfg, "vision", VisionActor, media)
 

@@ -25,7 +25,7 @@ from ingest.blocks import (
     tensor_from_record,
     tensor_rows,
 )
-from ingest.config import resolve_row_format
+from ingest.config import RAW_PROMPT_FORMATS, resolve_row_format
 from ingest.media.video import video_metadata
 from ingest.rowformat.raw_prompt import fill_images, fill_struct_images
 from ingest.rowformat.text import TENSOR_COLUMNS, pad_flat
@@ -166,8 +166,8 @@ class VerlCollate(ArrowBatchCollateFn):
 
     ``row_format`` (``DataConfig.row_format``, ``auto`` included): whose ``collate_fn`` to reproduce. ``verl-0.6``
     collates with ``np.fromiter`` (always 1-D) and gives every row an ``extra_info`` dict (``{}`` where it is missing or
-    null). ``verl-0.9`` does too, on its ``raw_prompt`` rows: ``dummy_tensor`` (uint8 zeros, (B, 1)) is the one
-    tensor, ``raw_prompt`` holds RGB PIL images in its image items (or, for image structs read without an HF
+    null). ``verl-0.7`` / ``verl-0.9`` do too, on their ``raw_prompt`` rows: ``dummy_tensor`` (uint8 zeros, (B, 1)) is
+    the one tensor, ``raw_prompt`` holds RGB PIL images in its image items (or, for image structs read without an HF
     ``Image()`` feature, their bytes, path and the image as ``Image.open`` gives it), and the prompt column holds the
     same objects.
     """
@@ -180,7 +180,7 @@ class VerlCollate(ArrowBatchCollateFn):
         self.one_dimensional = one_dimensional or row_format != "verl-0.5"
 
     def __call__(self, batch: pa.Table) -> dict:
-        if self.row_format == "verl-0.9":
+        if self.row_format in RAW_PROMPT_FORMATS:
             return self._raw_prompt_batch(batch)
         import torch
 

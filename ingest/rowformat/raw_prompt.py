@@ -1,6 +1,7 @@
-"""The verl 0.9 row (verl 0.7 and later): ``raw_prompt``, the chat whose ``<image>`` / ``<video>`` placeholders are
-replaced by content items carrying the media (``RLHFDataset._build_messages``), and no ids: the rollout's agent loop
-tokenizes and processes the media.
+"""The verl 0.7 and 0.9 rows: ``raw_prompt``, the chat whose ``<image>`` / ``<video>`` placeholders are replaced by
+content items carrying the media (``RLHFDataset._build_messages``), and no ids: the rollout's agent loop tokenizes and
+processes the media. The two releases build the same items from the same media; ``RawPromptDialect`` holds where
+they part (which media values they take, what their overlong filter measures).
 
 Blocks carry the messages as JSON with ``{"type": "image"}`` items where a decoded image goes; the consumer puts the
 RGB PIL image in (``fill_images``), so pixels travel as plain Arrow, never as pickled images. An image column that
@@ -12,11 +13,28 @@ column of their own, and the consumer opens them (``fill_struct_images``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 from collections.abc import Iterator, Mapping
 
-_SPLIT = re.compile("(<image>|<video>|<audio>)")
+
+@dataclasses.dataclass(frozen=True)
+class RawPromptDialect:
+    """Where verl 0.7.1's ``RLHFDataset`` and 0.9.1's part on the same data (their rows are otherwise equal)."""
+
+    media_paths: bool  # path-string images and videos, and frame-list videos, become items (0.7.1: a TypeError)
+    audio_placeholder: bool  # ``<audio>`` is a placeholder (0.7.1: plain text)
+    # the overlong filter measures media prompts with every image and video expanded to its grid; 0.7.1's filter
+    # pops the media before it measures (``_build_messages``), so a placeholder counts as the template writes it
+    filter_expands_media: bool
+
+
+RAW_PROMPT_DIALECTS = {
+    "verl-0.7": RawPromptDialect(media_paths=False, audio_placeholder=False, filter_expands_media=False),
+    "verl-0.9": RawPromptDialect(media_paths=True, audio_placeholder=True, filter_expands_media=True),
+}
+_SPLIT = {True: re.compile("(<image>|<video>|<audio>)"), False: re.compile("(<image>|<video>)")}
 
 
 def struct_image_problem(image) -> str | None:
@@ -38,16 +56,22 @@ def struct_image_problem(image) -> str | None:
 
 
 def raw_prompt_messages(
-    messages: list[dict], images: list, videos: list, images_decoded: bool = True
+    messages: list[dict],
+    images: list,
+    videos: list,
+    images_decoded: bool = True,
+    dialect: RawPromptDialect = RAW_PROMPT_DIALECTS["verl-0.9"],
 ) -> tuple[list[dict], list[int]]:
-    """verl 0.9.1 ``_build_messages`` on a row whose media lists are ``images`` / ``videos`` (empty: none), in place.
+    """verl 0.9.1 ``_build_messages`` (or 0.7.1's, per ``dialect``) on a row whose media lists are ``images`` /
+    ``videos`` (empty: none), in place.
 
     Only a row with media is split, and only its string contents. Returns the messages and the positions in
     ``images`` of those the consumer fills in decoded (an HF ``Image()`` value; verl: ``img.convert("RGB")``); a path
     string stays the item's ``image``. ``images_decoded`` False: the image structs are plain dicts (the file has no
     HF ``Image()`` feature for the column), each an item of its own fields with ``bytes`` and ``image`` left null
     for the consumer (``fill_struct_images``). Videos are items of their own values (``{"type": "video", **video}``).
-    Raises ``ValueError`` where placeholders and media do not match (verl asserts) or a struct gives no image.
+    Raises ``ValueError`` where placeholders and media do not match (verl asserts), a struct gives no image, or the
+    dialect takes no such media value (verl raises ``TypeError``).
     """
     if not images and not videos:
         return messages, []
@@ -58,14 +82,14 @@ def raw_prompt_messages(
         if not isinstance(content, str):
             continue
         items: list[dict] = []
-        for segment in _SPLIT.split(content):
+        for segment in _SPLIT[dialect.audio_placeholder].split(content):
             if segment == "":
                 continue
             if segment == "<image>":
                 if image_at >= len(images):
                     raise ValueError(f"more <image> placeholders than the row's {len(images)} images")
                 image = images[image_at]
-                if isinstance(image, str):
+                if isinstance(image, str) and dialect.media_paths:
                     items.append({"type": "image", "image": image})
                 elif isinstance(image, Mapping) and images_decoded:
                     items.append({"type": "image"})
@@ -79,7 +103,8 @@ def raw_prompt_messages(
                     item["image"] = None
                     items.append(item)
                 else:
-                    raise ValueError(f"image must be an image struct or a path, got {type(image).__name__}")
+                    kinds = "an image struct or a path" if dialect.media_paths else "an image struct"
+                    raise ValueError(f"image must be {kinds}, got {type(image).__name__}")
                 image_at += 1
             elif segment == "<video>":
                 if video_at >= len(videos):
@@ -87,10 +112,11 @@ def raw_prompt_messages(
                 video = videos[video_at]
                 if isinstance(video, Mapping):
                     items.append({"type": "video", **video})
-                elif isinstance(video, str | list):
+                elif isinstance(video, str | list) and dialect.media_paths:
                     items.append({"type": "video", "video": video})
                 else:
-                    raise ValueError(f"video must be a dict, a path or a frame list, got {type(video).__name__}")
+                    kinds = "a dict, a path or a frame list" if dialect.media_paths else "a dict"
+                    raise ValueError(f"video must be {kinds}, got {type(video).__name__}")
                 video_at += 1
             elif segment == "<audio>":
                 raise ValueError("<audio> placeholder: audio prompts are not built by this pipeline")

@@ -23,7 +23,7 @@ def media_steps(config: DataConfig, pool: Pool) -> tuple[bool, bool]:
     """(decode, vision): the media stages the actors of ``pool`` run on the processor path. A stage whose pool size
     is 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) runs in the actors of the stage before it. verl 0.9
     rows have no vision stage (the rollout processes the media)."""
-    if config.row_format == "verl-0.9":
+    if config.raw_prompt_rows:
         return pool == "decode" or (pool == "tokenizer" and config.pool_max_size("decode") == 0), False
     decode_pool, vision_pool = config.pool_max_size("decode") > 0, config.pool_max_size("vision") > 0
     if pool == "tokenizer":

@@ -23,5 +23,5 @@ def prompt_stage(
     ``count_only``: the stage's decisions without its rows (``PromptTokenizeStage``)."""
     vision = VisionSpec.from_dir(resolve_model_path(processor)) if processor else None
     chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
-    stage = RawPromptStage if config.row_format == "verl-0.9" else PromptTokenizeStage
+    stage = RawPromptStage if config.raw_prompt_rows else PromptTokenizeStage
     return stage(chat, config, context, vision, count_only=count_only)

@@ -1,8 +1,10 @@
-"""The verl 0.9 prompt stage: ``raw_prompt`` rows (``rowformat.raw_prompt``) and verl 0.9's overlong filter, in-stream.
+"""The verl 0.7 / 0.9 prompt stage: ``raw_prompt`` rows (``rowformat.raw_prompt``) and that release's overlong filter,
+in-stream.
 
 verl 0.9.1 measures every prompt before its first batch: the tokenizer's templated ids for text, the processor's
 expanded ``input_ids`` for media prompts (every image decoded, resized by qwen-vl-utils and processed; every video
-decoded). Here one batched encode gives the text ids and each image's grid comes from its header and the two resizes
+decoded; verl 0.7.1 measures a media prompt as its template writes it, each placeholder one token). Here one batched
+encode gives the text ids and each image's grid comes from its header and the two resizes
 (qwen-vl-utils', then the processor's), each video's from its container header: no pixel is touched to measure a
 row. A text prompt known to encode to at most ``max_prompt_length`` ids without encoding it (at most that many
 ASCII characters, or UTF-8 bytes of a text the normalizer leaves as it is: ``ChatTokenizer.known_short``) is not
@@ -40,14 +42,14 @@ from ingest.media.geometry import (
 from ingest.media.image import check_complete, image_size, read_image_bytes
 from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
-from ingest.rowformat.raw_prompt import raw_prompt_messages, struct_image_problem
+from ingest.rowformat.raw_prompt import RAW_PROMPT_DIALECTS, raw_prompt_messages, struct_image_problem
 from ingest.rowformat.text import extra_info_columns
 from ingest.stages.tokenize import PromptTokenizeStage
 from ingest.tokenizer.chat import ChatTokenizer
 
 
 class RawPromptStage(PromptTokenizeStage):
-    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl 0.9 rows (``raw_prompt``).
+    """Arrow batch of raw rows (with provenance columns) -> Arrow batch of verl 0.7 / 0.9 rows (``raw_prompt``).
 
     Same construction, bad-row policy and accounting as ``PromptTokenizeStage``; on the processor path the images to
     decode go to the decode stage (``_media_image_bytes``), which counts the rows out. Rows of the files in
@@ -66,6 +68,7 @@ class RawPromptStage(PromptTokenizeStage):
     ):
         super().__init__(tokenizer, config, context, vision, count_only=count_only)
         self.files_without_image_feature = (context or StageContext()).files_without_image_feature
+        self.dialect = RAW_PROMPT_DIALECTS[config.row_format]
 
     def _process(self, table: pa.Table) -> StageResult:
         cfg = self.config
@@ -77,6 +80,7 @@ class RawPromptStage(PromptTokenizeStage):
         images = table.column(cfg.image_key).to_pylist() if cfg.image_key in media_columns else [None] * n
         videos = table.column(cfg.video_key).to_pylist() if cfg.video_key in media_columns else [None] * n
         measure = cfg.filter_overlong_prompts
+        measure_media = measure and self.dialect.filter_expands_media
         bad: dict[int, BadRowError] = {}
         messages_out: list = [None] * n
         texts: list[str] = [""] * n
@@ -100,7 +104,7 @@ class RawPromptStage(PromptTokenizeStage):
                 bad[i] = self._error(table, i, problem, cfg.image_key)
                 continue
             try:
-                messages, decode = raw_prompt_messages(messages, row_images, row_videos, images_decoded)
+                messages, decode = raw_prompt_messages(messages, row_images, row_videos, images_decoded, self.dialect)
                 messages_out[i] = messages
                 if measure:  # with the tool schemas, as verl's filter renders it
                     texts[i] = self.tokenizer.render(messages, **self.filter_template_kwargs)
@@ -115,13 +119,13 @@ class RawPromptStage(PromptTokenizeStage):
                     for data in struct_bytes[i]:
                         image_size(data)
                         check_complete(data)
-                if measure:
+                if measure_media:
                     media_tokens[i] = sum(self._image_tokens(*image_size(data)) - 1 for data in encoded)
             except Exception as exc:
                 reason = redact(f"bad image: {type(exc).__name__}: {exc}", self._secrets)
                 bad[i] = self._error(table, i, reason, cfg.image_key)
                 continue
-            if measure and row_videos:
+            if measure_media and row_videos:
                 try:
                     patch = cfg.image_patch_size or self.vision.patch_size  # what verl 0.9 hands qwen-vl-utils
                     plans = [probe_video(value, cfg.storage_options, patch) for value in row_videos]

@@ -54,7 +54,7 @@ class VerlDataLoader(PromptStream):
             ledger=ledger,
         )
         self._num_rows = num_rows
-        # verl 0.5 / 0.6's fit updates a curriculum sampler after each step if the loader has one; the order here is
+        # verl 0.5 to 0.7's fit updates a curriculum sampler after each step if the loader has one; the order here is
         # the pipeline's (seeded per epoch), so there is none
         self.sampler = None
         if batch_size is None:  # verl's val loader: every row in one batch

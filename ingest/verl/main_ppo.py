@@ -1,6 +1,6 @@
 """``python -m ingest.verl.main_ppo [verl's Hydra overrides]``: verl's own PPO entry point on this pipeline's data.
 
-The same command line as ``python -m verl.trainer.main_ppo`` (verl 0.5, 0.6 or 0.9, whichever is installed): verl's
+The same command line as ``python -m verl.trainer.main_ppo`` (verl 0.5, 0.6, 0.7 or 0.9, whichever is installed): verl's
 Hydra config, its checks and its task runner run as they are. Only two things differ, both inside the task runner's
 process, before its ``run``: ``data.custom_cls`` selects ``IngestDataset`` (verl's dataset is never built: no load, no
 filter pass), and the trainer class ``run`` builds is ``ingest_trainer``'s subclass of it (``RayPPOTrainer``, or the
@@ -20,7 +20,7 @@ from ingest.verl.trainer import ingest_trainer, is_ingest_trainer
 
 def _use_ingest_trainer(config: Any, run_function: Any) -> str:
     """Point what ``run`` builds at ``ingest_trainer``'s class: the v1 trainer registry entry of the configured mode
-    (verl 0.9), else the ``RayPPOTrainer`` name ``run`` reads from its globals (0.5, 0.6, 0.9's legacy runner)."""
+    (verl 0.9), else the ``RayPPOTrainer`` name ``run`` reads from its globals (0.5 to 0.7, 0.9's legacy runner)."""
     trainer = config.get("trainer", {})
     if trainer.get("use_v1"):
         from verl.trainer.ppo.v1 import trainer_base
@@ -71,7 +71,7 @@ def main() -> None:
 
     from verl.trainer import main_ppo
 
-    for name in ("TaskRunner", "TaskRunnerV1"):  # 0.5 / 0.6; 0.9 with trainer.use_v1 (its default)
+    for name in ("TaskRunner", "TaskRunnerV1"):  # 0.5 to 0.7; 0.9 with trainer.use_v1 (its default)
         if hasattr(main_ppo, name):
             setattr(main_ppo, name, _with_ingest(getattr(main_ppo, name)))
     if importlib.util.find_spec("verl.trainer.main_ppo_v0"):  # 0.9's legacy runner, imported by main when chosen

@@ -4,7 +4,7 @@ It replaces only where the dataloaders come from. verl's own dataloader code sti
 stand-ins with our loaders' exact lengths, so its checks and its step arithmetic (``total_training_steps`` into the
 actor and critic optimizer configs) are verl's code, not a copy; then the loaders take the place of verl's.
 
-- ``RayPPOTrainer`` (verl 0.5, 0.6, and 0.9's legacy trainer): its ``_create_dataloader`` gets the datasets verl's
+- ``RayPPOTrainer`` (verl 0.5, 0.6, 0.7, and 0.9's legacy trainer): its ``_create_dataloader`` gets the datasets verl's
   ``TaskRunner`` built; ``IngestDataset``\\ s when ``data.custom_cls`` selects it, else stand-ins made here.
 - verl 0.9's v1 trainers (``PPOTrainer`` subclasses: ``sync``, ``colocate_async``, ``separate_async``): their
   ``_init_dataloader`` builds the datasets itself, through ``data.custom_cls``, which is pointed at

@@ -3,8 +3,9 @@
 Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need transformers 4.57, 0.9.1 needs
 5.9, so each lives in its own ``--target`` directory (``make oracle`` installs ``.oracle/``, ``.oracle-0.6/`` and
 ``.oracle-0.9/``) and runs with that directory in front of ``PYTHONPATH``, reusing this environment's torch, numpy,
-pyarrow and PIL. Another release of a format's line is an oracle of that format too (``ORACLE_BASES``): verl 0.8.0
-(``.oracle-0.8/``, verl alone) runs with its directory in front of 0.9.1's, whose transformers and the rest it reuses.
+pyarrow and PIL. A release installed alone (``ORACLE_BASES``) runs with its directory in front of 0.9.1's, whose
+transformers 5.9 and the rest it reuses: verl 0.7.1 (``.oracle-0.7/``), the oracle of ``verl-0.7``, and verl 0.8.0
+(``.oracle-0.8/``), another release of ``verl-0.9``'s line and a second oracle of it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ ORACLE_PATH_ENV = "INGEST_ORACLE_PATH"  # set for the runner: the oracle's direc
 RUNNER = Path(__file__).with_name("verl_runner.py")
 # oracle -> the directory (under the repository) its verl release is installed in. An oracle is named by its row
 # format (that format's own release) or, for another release of a format's line, by its release (ORACLE_BASES).
-ORACLE_DIRS = {"verl-0.5": ".oracle", "verl-0.6": ".oracle-0.6", "verl-0.9": ".oracle-0.9", "verl-0.8.0": ".oracle-0.8"}
+ORACLE_DIRS = {
+    "verl-0.5": ".oracle",
+    "verl-0.6": ".oracle-0.6",
+    "verl-0.7": ".oracle-0.7",
+    "verl-0.9": ".oracle-0.9",
+    "verl-0.8.0": ".oracle-0.8",
+}
 # a release installed alone (no transformers of its own) -> the oracle whose directory goes behind its own
-ORACLE_BASES = {"verl-0.8.0": "verl-0.9"}
+ORACLE_BASES = {"verl-0.7": "verl-0.9", "verl-0.8.0": "verl-0.9"}
 
 
 def oracle_dir(row_format: str = "verl-0.5") -> Path:

@@ -299,8 +299,8 @@ def main():
 
 
 def _check_oracle_transformers() -> None:
-    """The oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1 and for 0.8.0, from 0.9.1's
-    directory behind its own), not this environment's; and the oracle's own verl (0.8.0's, not the 0.9.1 behind it)."""
+    """The oracle's own transformers (4.57 for verl 0.5.0 / 0.6.1, 5.9 for 0.9.1, and for 0.7.1 and 0.8.0 from
+    0.9.1's directory behind their own), not this environment's; and the oracle's own verl (not the 0.9.1 behind it)."""
     import transformers
     import verl
 
