@@ -143,6 +143,8 @@ class DataConfig:
     tool_schemas: list | None = None
     # verl 0.9: Python function tools; their schemas come from importing that code, which this pipeline does not do
     function_tool_path: str | None = None
+    # verl 0.9: the audio column, removed from its rows; this pipeline builds no audio prompts (a row with audio is bad)
+    audio_key: str = "audios"
 
     # --- sampler keys verl reads in create_rl_sampler (same defaults) ---
     shuffle: bool = True

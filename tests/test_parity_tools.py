@@ -88,7 +88,7 @@ def test_tool_files_verl_would_drop_are_errors(tmp_path):
         DataConfig(function_tool_path="tools.py", row_format="verl-0.9")
 
 
-@pytest.mark.parametrize("row_format", ["verl-0.6", "verl-0.9"])
+@pytest.mark.parametrize("row_format", ["verl-0.6", "verl-0.7", "verl-0.9"])
 def test_filter_with_tools_equals_verl(ray_session, tool_data, tmp_path, row_format):
     if not oracle_available(row_format):
         pytest.skip(f"the {row_format} oracle is not installed (make oracle)")

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available
 from ingest.devtools.samples import geo3k_rows, geo3k_schema, write_video_parquet
 from ingest.errors import BadRowError, find_ingest_error
@@ -142,6 +143,18 @@ def test_audio_placeholder_is_text_in_verl_07(ray_session, model_dir, tmp_path):
     assert_same_batches(ours, expected["batches"])
     texts = [item["text"] for m in ours[0]["raw_prompt"][0] for item in m["content"] if item["type"] == "text"]
     assert any("<audio>" in text for text in texts)
+
+
+def test_audio_column_passes_through_in_verl_07(ray_session, model_dir, tmp_path):
+    """An ``audios`` column is a column like any other to verl 0.7.1 (0.9.1 pops it): its values stay in the rows."""
+    rows = [{**row, "audios": ["clip.wav"] if i == 5 else None} for i, row in enumerate(gsm8k_rows(16, variety=True))]
+    path = tmp_path / "audio-column.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)
+    expected = _verl([str(path)], model_dir, [TEXT_CONFIGS[0]], tmp_path / "verl-cache")[0]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours([str(path)], model_dir, TEXT_CONFIGS[0])
+    assert_same_batches(ours, expected["batches"])
+    assert list(ours[0]["audios"][:6]) == [None] * 5 + [["clip.wav"]]
 
 
 @pytest.mark.parametrize("kind,limit", [("frames", 40), ("file", 2048)])

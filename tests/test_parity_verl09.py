@@ -121,6 +121,31 @@ def test_rows_without_or_with_null_extra_info_equal_verl_09(ray_session, model_d
         assert_same_batches(_ours([str(path)], model_dir, TEXT_CONFIGS[0]), expected["batches"])
 
 
+def test_audio_column_leaves_the_rows_as_in_verl_09(ray_session, model_dir, tmp_path):
+    """verl 0.9.1 pops its ``audio_key`` column from every row; a row with audio it makes audio items of (or asserts,
+    without ``<audio>`` placeholders): ours builds no audio prompts, so that row is bad, named by file, row and
+    column."""
+    rows = [{**row, "audios": None if i % 2 else []} for i, row in enumerate(gsm8k_rows(16, variety=True))]
+    path = tmp_path / "audio-column.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)
+    expected = _verl([str(path)], model_dir, [TEXT_CONFIGS[0]], tmp_path / "verl-cache")[0]
+    assert "error" not in expected, expected.get("error")
+    ours = _ours([str(path)], model_dir, TEXT_CONFIGS[0])
+    assert_same_batches(ours, expected["batches"])
+    assert "audios" not in ours[0]
+
+    rows[5]["audios"] = ["clip.wav"]
+    with_audio = tmp_path / "with-audio.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), with_audio, row_group_size=8)
+    assert (
+        "AssertionError" in _verl([str(with_audio)], model_dir, [TEXT_CONFIGS[0]], tmp_path / "verl-cache")[0]["error"]
+    )
+    with pytest.raises(BadRowError) as info:
+        _ours([str(with_audio)], model_dir, {**TEXT_CONFIGS[0], "on_bad_row": "raise"})
+    err = find_ingest_error(info.value)
+    assert (err.file, err.row, err.column) == (str(with_audio), 5, "audios") and "audio prompts" in err.reason
+
+
 @pytest.fixture(scope="module")
 def image_runs(geo3k_files, model_dir, tmp_path_factory):
     return _verl(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), processor=model_dir)

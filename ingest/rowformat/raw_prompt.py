@@ -24,15 +24,17 @@ class RawPromptDialect:
     """Where verl 0.7.1's ``RLHFDataset`` and 0.9.1's part on the same data (their rows are otherwise equal)."""
 
     media_paths: bool  # path-string images and videos, and frame-list videos, become items (0.7.1: a TypeError)
-    audio_placeholder: bool  # ``<audio>`` is a placeholder (0.7.1: plain text)
+    # audio is a modality: ``<audio>`` is a placeholder and the audio column leaves the row (0.7.1: plain text, and a
+    # column like any other)
+    audio: bool
     # the overlong filter measures media prompts with every image and video expanded to its grid; 0.7.1's filter
     # pops the media before it measures (``_build_messages``), so a placeholder counts as the template writes it
     filter_expands_media: bool
 
 
 RAW_PROMPT_DIALECTS = {
-    "verl-0.7": RawPromptDialect(media_paths=False, audio_placeholder=False, filter_expands_media=False),
-    "verl-0.9": RawPromptDialect(media_paths=True, audio_placeholder=True, filter_expands_media=True),
+    "verl-0.7": RawPromptDialect(media_paths=False, audio=False, filter_expands_media=False),
+    "verl-0.9": RawPromptDialect(media_paths=True, audio=True, filter_expands_media=True),
 }
 _SPLIT = {True: re.compile("(<image>|<video>|<audio>)"), False: re.compile("(<image>|<video>)")}
 
@@ -82,7 +84,7 @@ def raw_prompt_messages(
         if not isinstance(content, str):
             continue
         items: list[dict] = []
-        for segment in _SPLIT[dialect.audio_placeholder].split(content):
+        for segment in _SPLIT[dialect.audio].split(content):
             if segment == "":
                 continue
             if segment == "<image>":

@@ -79,6 +79,8 @@ class RawPromptStage(PromptTokenizeStage):
         prompts = table.column(cfg.prompt_key).to_pylist()
         images = table.column(cfg.image_key).to_pylist() if cfg.image_key in media_columns else [None] * n
         videos = table.column(cfg.video_key).to_pylist() if cfg.video_key in media_columns else [None] * n
+        with_audio = self.dialect.audio and cfg.audio_key in table.column_names
+        audios = table.column(cfg.audio_key).to_pylist() if with_audio else [None] * n
         measure = cfg.filter_overlong_prompts
         measure_media = measure and self.dialect.filter_expands_media
         bad: dict[int, BadRowError] = {}
@@ -95,6 +97,9 @@ class RawPromptStage(PromptTokenizeStage):
                 bad[i] = self._error(table, i, problem)
                 continue
             row_images, row_videos = images[i] or [], videos[i] or []
+            if audios[i]:  # verl 0.9.1 makes audio items of them (or asserts, without placeholders)
+                bad[i] = self._error(table, i, "audio: audio prompts are not built by this pipeline", cfg.audio_key)
+                continue
             if (row_images or row_videos) and self.vision is None:
                 bad[i] = self._error(table, i, "an image or video prompt needs a processor (verl asserts one)")
                 continue
@@ -155,7 +160,7 @@ class RawPromptStage(PromptTokenizeStage):
         if self.count_only:  # verl 0.9 rows' videos stay sources: the decode stage gets no video plans
             return StageResult(self._counted(table, kept, to_decode, lengths, None), counts, quarantine)
         if len(kept) != n:
-            table = table.drop_columns(media_columns).take(kept)
+            table = table.drop_columns(media_columns + [cfg.audio_key] * with_audio).take(kept)
         rows = self._raw_rows(
             table,
             [messages_out[i] for i in kept],
@@ -176,11 +181,14 @@ class RawPromptStage(PromptTokenizeStage):
     def _raw_rows(
         self, table: pa.Table, messages: list, to_decode: list, struct_bytes: list, as_json: bool, prompt_tokens
     ) -> pa.Table:
-        """verl 0.9's keys in its order: the Parquet columns without the media (the prompt column's values are the
-        ``raw_prompt`` objects, filled in by the consumer), ``raw_prompt``, then ``extra_info``'s keys."""
+        """verl 0.9's keys in its order: the Parquet columns without the media (and audio, where the dialect has it; the
+        prompt column's values are the ``raw_prompt`` objects, filled in by the consumer), ``raw_prompt``, then
+        ``extra_info``'s keys."""
         cfg = self.config
         keep_provenance = self.keep_provenance or self.vision is not None  # the decode stage names bad media's rows
         drop = {cfg.image_key, cfg.video_key} | (set() if keep_provenance else set(PROVENANCE_COLUMNS))
+        if self.dialect.audio:
+            drop.add(cfg.audio_key)
         columns = {name: table.column(name) for name in table.column_names if name not in drop}
         # where a dataset has media columns the messages are JSON (content items of any shape, no null fields);
         # else they stay the prompt column as read
