@@ -38,11 +38,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = bench_profile(rows=(args.rows or [200_000])[0], work_dir=args.work_dir)
         print(json.dumps(result, indent=2))
         return 0
-    if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9, cold (--rows: text rows, image rows)
-        from ingest.devtools.verl09_bench import bench_verl09
+    if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9 (or --row-format verl-0.7: 0.7.1), cold
+        from ingest.devtools.verl09_bench import bench_verl09  # --rows: text rows, image rows
 
         text_rows, image_rows = (args.rows or [200_000, 5_000]) + [0] * (2 - len(args.rows or [0, 0]))
-        print(json.dumps(bench_verl09(text_rows, image_rows, work_dir=args.work_dir), indent=2))
+        result = bench_verl09(text_rows, image_rows, work_dir=args.work_dir, row_format=args.row_format)
+        print(json.dumps(result, indent=2))
         return 0
     if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
         from ingest.devtools.bench import bench_refs
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--consumers", type=int, default=4, help="scaling only: stand-in workers taking streaming_split shards"
     )
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument(
+        "--row-format",
+        default="verl-0.9",
+        choices=["verl-0.7", "verl-0.9"],
+        help="verl09 only: our rows in this format against its verl release (verl-0.7: verl 0.7.1)",
+    )
     bench.add_argument(
         "--images",
         action="store_true",

@@ -1,6 +1,7 @@
 """``python -m ingest bench verl09``: verl 0.9.1 (``RLHFDataset`` + ``StatefulDataLoader``) against this pipeline's
 ``row_format: verl-0.9`` rows on the same data, both cold, in one run: ours as verl's trainer gets it
-(``VerlDataLoader``) and as ``build_dataset`` + ``iter_torch_batches``.
+(``VerlDataLoader``) and as ``build_dataset`` + ``iter_torch_batches``. ``--row-format verl-0.7``: verl 0.7.1
+against ``verl-0.7`` rows, the same way.
 
 Each side runs in a new process: verl in its oracle environment (transformers 5.9), ours with nothing started before
 the clock (``build_dataset`` starts the local Ray: a brand-new session, as a first run meets it). Clocks start where
@@ -23,7 +24,7 @@ from pathlib import Path
 from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, geo3k_files, gsm8k_files
 from ingest.devtools.session import cache_dir, machine
 
-ROW_FORMAT = "verl-0.9"
+ROW_FORMAT = "verl-0.9"  # the default; any format of RAW_PROMPT_FORMATS, each against its oracle
 SAMPLE_EVERY_S = 0.2
 MIB = 1 << 20
 
@@ -77,26 +78,31 @@ def _measured(command: list[str], env: dict, cwd: str) -> dict:
     return {**(json.loads(last) if last.startswith("{") else {}), "peak_pss_mib": peak}
 
 
-def run_ours_cold(files: list[str], model: str, config: dict, processor: str | None, loader: str) -> dict:
+def run_ours_cold(
+    files: list[str], model: str, config: dict, processor: str | None, loader: str, row_format: str = ROW_FORMAT
+) -> dict:
     """In this (new) process, the clock from the first call to the last batch. ``loader``: ``VerlDataLoader`` (what
     verl's trainer iterates: its first batch is made in the driver) or ``iter_torch_batches`` (``build_dataset`` +
     Ray Data's iterator: every batch from the actors)."""
     from ingest.devtools.cold import run_loader
 
-    return run_loader(files, model, {**config, "row_format": ROW_FORMAT}, processor, loader)
+    return run_loader(files, model, {**config, "row_format": row_format}, processor, loader)
 
 
-def _ours(files: list[str], model: str, config: dict, processor: str | None, work: Path, loader: str) -> dict:
+def _ours(
+    files: list[str], model: str, config: dict, processor: str | None, work: Path, loader: str, row_format: str
+) -> dict:
     spec = {"files": files, "model": model, "config": config, "processor": processor, "loader": loader}
+    spec["row_format"] = row_format
     env = {**os.environ, "RAY_ADDRESS": "local"}  # a new session, never a cluster left running on the machine
     return _measured([sys.executable, "-m", __name__, json.dumps(spec)], env, str(work))
 
 
-def _verl(files: list[str], model: str, config: dict, processor: str | None, work: Path) -> dict:
-    from ingest.devtools.oracle import RUNNER, oracle_available, oracle_dir
+def _verl(files: list[str], model: str, config: dict, processor: str | None, work: Path, row_format: str) -> dict:
+    from ingest.devtools.oracle import RUNNER, oracle_available, oracle_environment
 
-    if not oracle_available(ROW_FORMAT):
-        raise RuntimeError(f"the verl 0.9.1 oracle is not installed in {oracle_dir(ROW_FORMAT)} (run `make oracle`)")
+    if not oracle_available(row_format):
+        raise RuntimeError(f"the {row_format} oracle is not installed (run `make oracle`)")
     out = work / "verl09-out.pkl"
     spec = {
         "files": files,
@@ -108,9 +114,8 @@ def _verl(files: list[str], model: str, config: dict, processor: str | None, wor
         "num_workers": 2,
         "stateful": True,
     }
-    env = {**os.environ, "PYTHONPATH": str(oracle_dir(ROW_FORMAT)), "TOKENIZERS_PARALLELISM": "false"}
-    env["HF_DATASETS_CACHE"] = str(work / f"hf-datasets-{time.time_ns()}")  # cold: verl's filter runs again
-    env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+    # a new HF datasets cache per run (cold: verl's filter runs again); its release first on PYTHONPATH
+    env = oracle_environment(row_format, work / f"verl-{time.time_ns()}")
     measured = _measured([sys.executable, str(RUNNER), "bench", json.dumps(spec)], env, str(work))
     import pickle
 
@@ -118,13 +123,17 @@ def _verl(files: list[str], model: str, config: dict, processor: str | None, wor
         return {**pickle.load(f), **measured}
 
 
-def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: str | None = None) -> dict:
-    """Text (gsm8k-shaped, 1% overlong) and image (geo3k-shaped) rows, filter on, batch 64: verl 0.9.1, then ours."""
+def bench_verl09(
+    text_rows: int = 200_000, image_rows: int = 5_000, work_dir: str | None = None, row_format: str = ROW_FORMAT
+) -> dict:
+    """Text (gsm8k-shaped, 1% overlong) and image (geo3k-shaped) rows, filter on, batch 64: verl 0.9.1 (or the
+    oracle of ``row_format``), then ours in that format."""
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())
     work = cache_dir(work_dir)
     result = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "sizes": []}
+    result["row_format"] = row_format
     cases = []
     if text_rows:
         cases.append(("text", text_rows, gsm8k_files(work, text_rows), None, BENCH_CONFIG))
@@ -133,7 +142,7 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
             ("images", image_rows, geo3k_files(work, image_rows), model, {**BENCH_CONFIG, "truncation": "left"})
         )
     for kind, rows, files, processor, config in cases:
-        verl = _verl(files, model, config, processor, work)
+        verl = _verl(files, model, config, processor, work, row_format)
         entry = {"kind": kind, "rows": rows, "verl": verl}
         loaders = (
             ("ours", "VerlDataLoader"),
@@ -141,7 +150,7 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
             ("ours_iter_torch_batches", "iter_torch_batches"),
         )
         for name, loader in loaders:
-            ours = _ours(files, model, config, processor, work, loader)
+            ours = _ours(files, model, config, processor, work, loader, row_format)
             assert verl["rows"] == ours["rows"], f"row counts differ: verl {verl['rows']}, {name} {ours['rows']}"
             suffix = name.removeprefix("ours")
             entry[name] = ours
@@ -157,5 +166,7 @@ def bench_verl09(text_rows: int = 200_000, image_rows: int = 5_000, work_dir: st
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    measured = run_ours_cold(spec["files"], spec["model"], spec["config"], spec["processor"], spec["loader"])
+    measured = run_ours_cold(
+        spec["files"], spec["model"], spec["config"], spec["processor"], spec["loader"], spec["row_format"]
+    )
     print(json.dumps(measured))
