@@ -144,8 +144,8 @@ import os
 import re
 
 env = {
-    "excludes": [".git", ".venv", ".oracle", ".oracle-0.6", ".oracle-0.9", ".cache", "out", "build", "**/__pycache__", "*.egg-info",
-                 ".pytest_cache", ".ruff_cache"],
+    "excludes": [".git", ".venv", ".oracle", ".oracle-0.6", ".oracle-0.7", ".oracle-0.8", ".oracle-0.9", ".cache", "out",
+                 "build", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"],
     "env_vars": {"PYTHONUNBUFFERED": "1"},
 }
 if os.environ["USE_PIP"] == "1":
