@@ -17,6 +17,7 @@ from ingest.errors import BadRowError, find_ingest_error
 from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
+from tests.support.media import write_path_string_image_rows
 
 ROW_FORMAT = "verl-0.7"
 BATCH = 8
@@ -90,26 +91,10 @@ def test_plain_image_struct_rows_equal_verl_07(ray_session, geo3k_files, model_d
     assert_same_batches(_ours(files, model_dir, config, processor=model_dir), expected["batches"])
 
 
-def _path_string_rows(tmp_path) -> str:
-    """16 geo3k rows whose image values are path strings."""
-    rows = geo3k_rows(16, seed=2)
-    for row in rows:
-        paths = []
-        for k, image in enumerate(row["images"]):
-            target = tmp_path / "images" / f"{row['extra_info']['index']}-{k}.img"
-            target.parent.mkdir(exist_ok=True)
-            target.write_bytes(image["bytes"])
-            paths.append(str(target))
-        row["images"] = paths
-    path = tmp_path / "path-strings.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)
-    return str(path)
-
-
 def test_image_path_strings_refused_as_verl_07(ray_session, model_dir, tmp_path):
     """verl 0.7.1 takes no path-string image (``_build_messages`` raises TypeError): its filter drops every such row,
     its ``__getitem__`` raises without the filter. Ours quarantines them, naming file, row and reason, or raises."""
-    path = _path_string_rows(tmp_path)
+    path = write_path_string_image_rows(tmp_path)
     config = IMAGE_CONFIGS[1]
     runs = _verl([path], model_dir, [config, IMAGE_CONFIGS[2]], tmp_path / "verl-cache", processor=model_dir)
     assert runs[0]["rows"] == [] and "TypeError" in runs[1]["error"]

@@ -26,6 +26,7 @@ from ingest.errors import BadRowError, find_ingest_error
 from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
+from tests.support.media import write_path_string_image_rows
 
 ROW_FORMAT = "verl-0.9"
 BATCH = 8
@@ -288,22 +289,12 @@ def test_image_path_strings_equal_verl_09(ray_session, model_dir, tmp_path):
     """Image values as plain path strings: verl 0.9.1's item holds the path string (``os.fspath``), with the filter
     on and off. Not run against verl 0.8.0: its ``__getitem__`` raises TypeError on a path string and its filter
     drops the row (0.9.1 accepts path-string images and videos; ours builds 0.9.1's rows)."""
-    rows = geo3k_rows(16, seed=2)
-    for row in rows:
-        paths = []
-        for k, image in enumerate(row["images"]):
-            target = tmp_path / "images" / f"{row['extra_info']['index']}-{k}.img"
-            target.parent.mkdir(exist_ok=True)
-            target.write_bytes(image["bytes"])
-            paths.append(str(target))
-        row["images"] = paths
-    path = tmp_path / "path-strings.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=8)
+    path = write_path_string_image_rows(tmp_path)
     configs = IMAGE_CONFIGS[1:]
-    runs = _verl([str(path)], model_dir, configs, tmp_path / "verl-cache", processor=model_dir)
+    runs = _verl([path], model_dir, configs, tmp_path / "verl-cache", processor=model_dir)
     for config, expected in zip(configs, runs, strict=True):
         assert "error" not in expected, expected.get("error")
-        ours = _ours([str(path)], model_dir, config, processor=model_dir)
+        ours = _ours([path], model_dir, config, processor=model_dir)
         assert_same_batches(ours, expected["batches"])
         assert all(isinstance(item["image"], str) for item in _image_items(ours))
 

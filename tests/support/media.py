@@ -29,6 +29,27 @@ def write_media_rows(
     return str(path)
 
 
+def write_path_string_image_rows(directory, rows: int = 16, seed: int = 2) -> str:
+    """Parquet of geo3k rows whose image values are path strings (each image written to a file of its own)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ingest.devtools.samples import geo3k_rows
+
+    table_rows = geo3k_rows(rows, seed=seed)
+    for row in table_rows:
+        paths = []
+        for k, image in enumerate(row["images"]):
+            target = directory / "images" / f"{row['extra_info']['index']}-{k}.img"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(image["bytes"])
+            paths.append(str(target))
+        row["images"] = paths
+    path = directory / "path-strings.parquet"
+    pq.write_table(pa.Table.from_pylist(table_rows), path, row_group_size=8)
+    return str(path)
+
+
 def good_and_cut_video_files(directory) -> tuple[str, str]:
     """A video file, and a copy of it whose index reads whole (faststart) but whose frames stop at 60% of the file:
     the tokenize stage plans it from the header, decoding comes up short."""
