@@ -2,7 +2,8 @@
 ``raw_prompt`` rows are 0.9.1's, so what is checked here is where 0.7.1 parts from 0.9.1: its overlong filter
 measures a media prompt as the template writes it (the media popped before measuring: one pad per placeholder), a
 path-string image is a TypeError there, and ``<audio>`` is plain text. Text with the filter on and off (with and
-without a processor), images of every kind (HF ``Image()`` columns, plain ``{bytes, path}`` structs), videos."""
+without a processor), images of every kind (HF ``Image()`` columns, plain ``{bytes, path}`` structs; Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL processors), videos (Qwen2-VL, Qwen3-VL)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 
 from ingest.demo import gsm8k_rows
 from ingest.devtools.oracle import oracle_available
-from ingest.devtools.samples import geo3k_rows, geo3k_schema, write_video_parquet
+from ingest.devtools.samples import (
+    geo3k_rows,
+    geo3k_schema,
+    qwen3_vl_model_dir,
+    qwen25_vl_model_dir,
+    write_video_parquet,
+)
 from ingest.errors import BadRowError, find_ingest_error
 from ingest.run import run_pipeline
 from tests.support import formats
@@ -73,6 +80,20 @@ def test_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, image_run
     if index == 1:
         as_09 = formats.ours(geo3k_files, model_dir, IMAGE_CONFIGS[1], "verl-0.9", BATCH, model_dir)
         assert sum(len(b["index"]) for b in as_09) < 48  # the dialect decides, not the limit
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_other_families_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
+    """Qwen2.5-VL and Qwen3-VL processors built offline: 0.7.1 measures their image prompts through
+    ``processor(text=...)`` without the images, so the family's grids do not count (at 640 every row stays)."""
+    build = qwen25_vl_model_dir if family == "qwen2.5-vl" else qwen3_vl_model_dir
+    model = build(tmp_path_factory.mktemp(family), model_dir)
+    configs = IMAGE_CONFIGS[:2]
+    runs = _verl(geo3k_files, model, configs, tmp_path_factory.mktemp("verl-cache"), processor=model)
+    for config, expected in zip(configs, runs, strict=True):
+        assert "error" not in expected, expected.get("error")
+        assert (len(expected["rows"]) < 48) == (config["max_prompt_length"] == 82)
+        assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
 
 
 def test_plain_image_struct_rows_equal_verl_07(ray_session, geo3k_files, model_dir, tmp_path):
@@ -142,13 +163,16 @@ def test_audio_column_passes_through_in_verl_07(ray_session, model_dir, tmp_path
     assert list(ours[0]["audios"][:6]) == [None] * 5 + [["clip.wav"]]
 
 
-@pytest.mark.parametrize("kind,limit", [("frames", 40), ("file", 2048)])
-def test_video_rows_equal_verl_07(ray_session, model_dir, tmp_path, kind, limit):
+@pytest.mark.parametrize(
+    "family,kind,limit", [("qwen2-vl", "frames", 40), ("qwen2-vl", "file", 2048), ("qwen3-vl", "frames", 40)]
+)
+def test_video_rows_equal_verl_07(ray_session, model_dir, tmp_path, family, kind, limit):
     """Video dicts (0.7.1 takes only those) become items of their own values; the filter counts each as its one
-    placeholder (at 40 tokens it drops the rows with two videos and a longer question)."""
+    placeholder, with no Qwen3-VL timestamps (at 40 tokens it drops the rows with two videos)."""
+    model = qwen3_vl_model_dir(tmp_path / "qwen3-vl", model_dir) if family == "qwen3-vl" else model_dir
     files = write_video_parquet(tmp_path / "data", 12, kind=kind, with_images=kind == "frames")
     config = {"filter_overlong_prompts": True, "max_prompt_length": limit}
-    expected = _verl(files, model_dir, [config], tmp_path / "verl-cache", processor=model_dir)[0]
+    expected = _verl(files, model, [config], tmp_path / "verl-cache", processor=model)[0]
     assert "error" not in expected, expected.get("error")
     assert (0 < len(expected["rows"]) < 12) == (limit == 40), len(expected["rows"])
-    assert_same_batches(_ours(files, model_dir, config, processor=model_dir), expected["batches"])
+    assert_same_batches(_ours(files, model, config, processor=model), expected["batches"])
