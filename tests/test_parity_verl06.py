@@ -63,7 +63,7 @@ def test_rows_without_or_with_null_extra_info_equal_verl_06(ray_session, model_d
 
 def test_unknown_row_formats_are_refused():
     with pytest.raises(ValueError, match="row_format must be one of"):
-        DataConfig(row_format="verl-0.7")
+        DataConfig(row_format="verl-0.8")
     with pytest.raises(ValueError, match="row_format must be one of"):
         VerlCollate(row_format="0.6")
 
