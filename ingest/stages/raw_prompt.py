@@ -160,7 +160,7 @@ class RawPromptStage(PromptTokenizeStage):
         if self.count_only:  # verl 0.9 rows' videos stay sources: the decode stage gets no video plans
             return StageResult(self._counted(table, kept, to_decode, lengths, None), counts, quarantine)
         if len(kept) != n:
-            table = table.drop_columns(media_columns + [cfg.audio_key] * with_audio).take(kept)
+            table = table.drop_columns(media_columns).take(kept)
         rows = self._raw_rows(
             table,
             [messages_out[i] for i in kept],
