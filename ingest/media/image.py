@@ -72,11 +72,13 @@ def image_size(data: bytes) -> tuple[int, int]:
 
 def decode_rgb(data: bytes, *, pixels: bool = True) -> tuple[np.ndarray, dict]:
     """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info.
-    ``pixels=False`` (a count: only whether it decodes matters): the same decode, but where PIL decodes, an empty
-    (H, W, 0) array instead of the copy of its pixels."""
+    ``pixels=False`` (a count: only whether it decodes matters): the same verdict, but an empty (H, W, 0) array
+    instead of the copy of the pixels, and no decode at all where ``png_decodes`` knows the answer."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
+        if not pixels and image.format == "PNG" and png_decodes(data, image):
+            return np.empty((image.height, image.width, 0), dtype=np.uint8), dict(image.info)
         stored = stored_png(data) if image.format == "PNG" else None
         if stored is None:  # not a PNG, or one whose data is not sound: PIL accepts or rejects it, as verl's would
             return _pil_rgb(image, pixels)
@@ -105,6 +107,27 @@ def stored_png(data: bytes) -> bytes | None:
     CPU than inflating with zlib (docs/design.md). None, and the decoder gets ``data`` itself (and accepts or rejects it
     as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong, or the data
     does not inflate (checksum included) to exactly the size the header gives."""
+    inflated = _inflated_png(data)
+    if inflated is None:
+        return None
+    import deflate
+
+    raw, first, last = inflated
+    size = len(raw)
+    body = [b"IDAT\x78\x01"]  # zlib header: deflate, 32K window, no preset dictionary (0x7801 % 31 == 0)
+    for start in range(0, size, 0xFFFF):  # stored blocks: final flag, then LEN and NLEN little-endian
+        block = memoryview(raw)[start : start + 0xFFFF]
+        body += [struct.pack("<BHH", start + 0xFFFF >= size, len(block), len(block) ^ 0xFFFF), block]
+    body.append(struct.pack(">I", deflate.adler32(raw)))
+    chunk = b"".join(body)
+    length, crc = struct.pack(">I", len(chunk) - 4), struct.pack(">I", deflate.crc32(chunk))
+    view = memoryview(data)
+    return b"".join([view[:first], length, chunk, crc, view[last:]])
+
+
+def _inflated_png(data: bytes) -> tuple[bytes, int, int] | None:
+    """(the image data inflated, offset of the first ``IDAT`` chunk, end of the last) of a PNG whose data is sound
+    (``stored_png``'s conditions), else None."""
     try:
         import deflate
     except ImportError:
@@ -138,14 +161,24 @@ def stored_png(data: bytes) -> bytes | None:
         return None
     if len(raw) != size:
         return None
-    body = [b"IDAT\x78\x01"]  # zlib header: deflate, 32K window, no preset dictionary (0x7801 % 31 == 0)
-    for start in range(0, size, 0xFFFF):  # stored blocks: final flag, then LEN and NLEN little-endian
-        block = memoryview(raw)[start : start + 0xFFFF]
-        body += [struct.pack("<BHH", start + 0xFFFF >= size, len(block), len(block) ^ 0xFFFF), block]
-    body.append(struct.pack(">I", deflate.adler32(raw)))
-    chunk = b"".join(body)
-    length, crc = struct.pack(">I", len(chunk) - 4), struct.pack(">I", deflate.crc32(chunk))
-    return b"".join([view[:first], length, chunk, crc, view[last:]])
+    return raw, first, last
+
+
+def png_decodes(data: bytes, image) -> bool:
+    """True where the PNG ``data`` (opened by PIL as ``image``) certainly decodes to RGB, known without unfiltering
+    it (a count's question): its data is sound (``stored_png``'s conditions), nothing but ``IEND`` follows it, samples
+    of at most 8 bits, no transparency to convert (but in RGB / RGBA), and every row's filter type is one of PNG's
+    five, the one thing a decoder still checks in sound data. False: not known, decode it."""
+    if data[24:25] > b"\x08" or ("transparency" in image.info and image.mode not in ("RGB", "RGBA")):
+        return False
+    inflated = _inflated_png(data)
+    if inflated is None:
+        return False
+    raw, _, last = inflated
+    if not raw or data[last + 4 : last + 8] != b"IEND":
+        return False
+    stride = len(raw) // image.height
+    return int(np.frombuffer(raw, dtype=np.uint8)[::stride].max()) <= 4
 
 
 def plain_png(data: bytes) -> bool:

@@ -167,3 +167,47 @@ def test_a_count_decodes_as_the_epoch_does_without_the_pixels_copy():
         with pytest.raises(Exception) as count:
             decode_rgb(cut, pixels=False)
         assert (type(count.value), str(count.value)) == (type(full.value), str(full.value)), kind
+
+
+def test_a_count_knows_sound_pngs_decode_and_decodes_the_rest():
+    """``png_decodes``: a sound PNG (data inflating to the header's size, only ``IEND`` after it, <= 8-bit samples,
+    valid row filters) is known to decode without unfiltering it; the verdict of ``decode_rgb(pixels=False)`` is the
+    full decode's on every kind, including those it leaves to the decoder (a bad filter byte in sound data, text
+    after the pixels, 16-bit samples, transparency to convert, no ``IEND``)."""
+    import random
+    import zlib
+
+    from PIL import Image
+
+    from ingest.media.image import decode_rgb, png_decodes
+
+    rng = random.Random(14)
+    kinds = {kind: encode_image(*make_image(kind, rng)) for kind in ("png", "gray", "palette", "rgba", "tall")}
+    kinds["1-bit"] = encode_image(Image.fromarray(np.eye(29, dtype=bool)), "PNG")
+    rgb = kinds["png"]
+    chunks = _png_chunks(rgb)
+    idat = next(k for k, (kind, _) in enumerate(chunks) if kind == b"IDAT")
+    known = set(kinds)
+    kinds["16-bit"] = encode_image(Image.fromarray(np.full((30, 41), 300, dtype=np.uint16)), "PNG")
+    gray = _png_chunks(encode_image(Image.fromarray(np.arange(192, dtype=np.uint8).reshape(8, 24)), "PNG"))
+    kinds["gray, transparent"] = _png_file([gray[0], [b"tRNS", b"\x01\x2c"], *gray[1:]])  # 300: beyond 8 bits
+    kinds["text after"] = _png_file([*chunks[:-1], [b"tEXt", b"comment\x00after"], chunks[-1]])
+    kinds["no IEND"] = _png_file(chunks[:-1])
+    raw = bytearray(zlib.decompress(b"".join(p for k, p in chunks if k == b"IDAT")))
+    raw[3 * (len(raw) // Image.open(io.BytesIO(rgb)).height)] = 7  # the fourth row's filter type: no such filter
+    kinds["bad filter"] = _png_file([*chunks[:idat], [b"IDAT", zlib.compress(bytes(raw))], chunks[-1]])
+    kinds["cut"] = rgb[: len(rgb) // 2]
+    failed = set()
+    for name, data in kinds.items():
+        with Image.open(io.BytesIO(data)) as image:
+            assert png_decodes(data, image) == (name in known), name
+        try:
+            pixels, info = decode_rgb(data)
+        except Exception as error:
+            with pytest.raises(type(error)):
+                decode_rgb(data, pixels=False)
+            failed.add(name)
+        else:
+            counted, counted_info = decode_rgb(data, pixels=False)
+            assert counted.shape[:2] == pixels.shape[:2] and counted_info == info, name
+    assert failed == {"bad filter", "cut"}
