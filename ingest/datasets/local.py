@@ -90,13 +90,18 @@ class DriverUnits:
 
 
 def made_in_order(
-    new_worker: Callable[[], Callable[[U], Iterable[T]]], items: Iterable[U], threads: int, name: str
+    new_worker: Callable[[], Callable[[U], Iterable[T]]],
+    items: Iterable[U],
+    threads: int,
+    name: str,
+    ahead: int | None = None,
 ) -> Iterator[T]:
     """What ``worker(item)`` yields for each of ``items``, in item order, made on ``threads`` threads named ``name``
-    with a worker each (``new_worker()``: its own stages), at most ``threads`` items ahead of the consumer: an item
-    is drawn from ``items`` once the outputs of all but ``threads - 1`` items before it are handed out. An item's error
-    raises after what it yielded before it; items not started by then never are. On one thread everything runs in the
-    caller's, each output as soon as it is made.
+    with a worker each (``new_worker()``: its own stages), at most ``ahead`` (default ``threads``) items ahead of the
+    consumer: an item is drawn from ``items`` once the outputs of all but ``ahead - 1`` items before it are handed
+    out. A larger ``ahead`` keeps every thread busy while an older item is slower, for outputs small enough to wait.
+    An item's error raises after what it yielded before it; items not started by then never are. On one thread
+    everything runs in the caller's, each output as soon as it is made.
 
     The tokenizer's batch encode and the image decoders release the GIL, so a second thread makes one unit while the
     first holds the GIL for the Python parts of another (or the caller collates a batch)."""
@@ -119,10 +124,11 @@ def made_in_order(
 
     pending: collections.deque = collections.deque()
     pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    ahead = max(ahead or threads, threads)
     try:
         remaining = iter(items)
         while True:
-            if len(pending) == threads:  # the next item is drawn once the oldest one's outputs are handed out
+            if len(pending) == ahead:  # the next item is drawn once the oldest one's outputs are handed out
                 yield from _outputs(pending.popleft().result())
             item = next(remaining, _NONE_LEFT)
             if item is _NONE_LEFT:

@@ -31,6 +31,9 @@ COUNT_BATCH_ROWS = 4096
 # the prompt stage holds the GIL for part of each media row: beyond a few threads each adds a decoded unit in memory,
 # not speed
 COUNT_THREADS = 4
+# units a count's thread may run ahead of the oldest unfinished one: its outputs are provenance only, and a thread
+# waiting on a slower unit's turn is a core idle
+COUNT_AHEAD = 4
 # text rows: the template render and the short-prompt check hold the GIL, the encode of the others does not
 COUNT_TEXT_THREADS = 2
 # config keys that change where or how fast rows are made, never which rows come out
@@ -113,6 +116,7 @@ def count_rows_here(plan: InputPlan, tokenizer, config: DataConfig, processor=No
         plan.units,
         threads,
         "ingest-count",
+        ahead=COUNT_AHEAD * threads,
     )
     return sum(block.num_rows for block in blocks)
 

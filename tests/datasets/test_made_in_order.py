@@ -79,3 +79,24 @@ def test_items_are_drawn_only_as_outputs_are_handed_out():
     for value in made_in_order(lambda: lambda item: [item], items(), 2, "made"):
         handed.append(value)
     assert seen_at_draw == [0, 0, 1, 2]
+
+
+def test_ahead_lets_the_other_threads_go_on_past_a_slow_item():
+    """With ``ahead`` above ``threads`` a slow oldest item holds up one thread, not the rest: the later items are made
+    while it runs (with ``ahead == threads`` the second thread would wait after one item); outputs stay in order."""
+    finished = []
+    release = threading.Event()
+
+    def new_worker():
+        def work(item):
+            if item == 0:
+                assert release.wait(5)
+            finished.append(item)
+            if len(finished) == 5:
+                release.set()
+            yield item
+
+        return work
+
+    assert list(made_in_order(new_worker, range(8), 2, "made", ahead=6)) == list(range(8))
+    assert finished[:5] == [1, 2, 3, 4, 5] and finished[5] == 0
