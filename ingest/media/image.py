@@ -77,9 +77,10 @@ def decode_rgb(data: bytes, *, pixels: bool = True) -> tuple[np.ndarray, dict]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        if not pixels and image.format == "PNG" and png_decodes(data, image):
+        inflated = _inflated_png(data) if image.format == "PNG" else None
+        if not pixels and inflated is not None and _sound_png_decodes(data, image, *inflated):
             return np.empty((image.height, image.width, 0), dtype=np.uint8), dict(image.info)
-        stored = stored_png(data) if image.format == "PNG" else None
+        stored = None if inflated is None else _stored(data, *inflated)
         if stored is None:  # not a PNG, or one whose data is not sound: PIL accepts or rejects it, as verl's would
             return _pil_rgb(image, pixels)
         # libspng only on data that inflated soundly: it accepts some corrupt streams that PIL rejects
@@ -108,11 +109,13 @@ def stored_png(data: bytes) -> bytes | None:
     as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong, or the data
     does not inflate (checksum included) to exactly the size the header gives."""
     inflated = _inflated_png(data)
-    if inflated is None:
-        return None
+    return None if inflated is None else _stored(data, *inflated)
+
+
+def _stored(data: bytes, raw: bytes, first: int, last: int) -> bytes:
+    """``data`` with the chunks from ``first`` to ``last`` replaced by one ``IDAT`` of ``raw`` in stored blocks."""
     import deflate
 
-    raw, first, last = inflated
     size = len(raw)
     body = [b"IDAT\x78\x01"]  # zlib header: deflate, 32K window, no preset dictionary (0x7801 % 31 == 0)
     for start in range(0, size, 0xFFFF):  # stored blocks: final flag, then LEN and NLEN little-endian
@@ -169,12 +172,14 @@ def png_decodes(data: bytes, image) -> bool:
     it (a count's question): its data is sound (``stored_png``'s conditions), nothing but ``IEND`` follows it, samples
     of at most 8 bits, no transparency to convert (but in RGB / RGBA), and every row's filter type is one of PNG's
     five, the one thing a decoder still checks in sound data. False: not known, decode it."""
+    inflated = _inflated_png(data)
+    return inflated is not None and _sound_png_decodes(data, image, *inflated)
+
+
+def _sound_png_decodes(data: bytes, image, raw: bytes, first: int, last: int) -> bool:
+    """``png_decodes`` for a PNG whose data inflated soundly to ``raw`` (``_inflated_png``)."""
     if data[24:25] > b"\x08" or ("transparency" in image.info and image.mode not in ("RGB", "RGBA")):
         return False
-    inflated = _inflated_png(data)
-    if inflated is None:
-        return False
-    raw, _, last = inflated
     if not raw or data[last + 4 : last + 8] != b"IEND":
         return False
     stride = len(raw) // image.height
