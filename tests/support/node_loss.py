@@ -24,6 +24,9 @@ from tests.support.cluster import CURRENT_CLUSTER, free_port
 
 MB = 1024 * 1024
 STORE = 100 * MB  # small stores: blocks spill and move between nodes as they would on a loaded cluster
+# how long a loss waits for the pipeline's actors to hold a worker's CPU (on a loaded machine the driver can still be
+# making the first batches alone when the loss is due)
+BUSY_WAIT_S = 30
 
 
 def start_cluster(workers: int, head_cpus: int) -> Cluster:
@@ -113,6 +116,9 @@ class NodeLoss:
         """``first``: node ids to remove before the busiest (e.g. the nodes holding some batch refs' objects)."""
         if batches != self.after:
             return
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while time.monotonic() < deadline and not any(busy_cpus(n.node_id) for n in self.cluster.worker_nodes):
+            time.sleep(0.2)
         ledger = ledger_node(ledger_id) if ledger_id else None
         ranks = {
             "first": lambda n: n.node_id != ledger,
