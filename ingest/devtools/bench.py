@@ -150,8 +150,8 @@ def _compare(
     layouts: dict[str, dict] | None = None,
     warm_workers: bool = False,
 ) -> dict:
-    """Ours (warm, each layout), ours cold (``devtools/cold.py``), the bare ceiling (text), then verl 0.5.0, on the
-    same files: rows/s of each, the ratios to verl. ``layouts``: name -> our pool settings,
+    """Ours (warm, each layout), ours cold (``devtools/cold.py``), the bare ceilings (text: every core, one process),
+    then verl 0.5.0, on the same files: rows/s of each, the ratios to verl. ``layouts``: name -> our pool settings,
     each run in turn, in that order (``default`` and ``decode_pool``: ``ours`` / ``ratio_rows_per_s``; the others:
     ``ours_<name>`` / ``ratio_<name>``; ``order`` lists them). ``warm_workers``: one prestarted worker per actor of
     the layout waits for it (``_prestart_workers``)."""
@@ -183,6 +183,12 @@ def _compare(
         for key in ("ours", "ours_cold", "ours_cold_verl_loader"):
             share = steady_rows_per_s(entry[key]) / ceiling["rows_per_s"]
             entry[f"steady_share_of_ceiling{key.removeprefix('ours')}"] = round(share, 3)
+        # the same work in one process (the tokenizer's own threads on every core): what a loader that keeps the
+        # epoch in one process, as the driver does on 2 CPUs, can reach at best
+        _settle()
+        one = entry["ceiling_one_process"] = _ceiling(files, model, 1)
+        share = steady_rows_per_s(entry["ours_cold_verl_loader"]) / one["rows_per_s"]
+        entry["steady_share_of_one_process_ceiling_cold_verl_loader"] = round(share, 3)
     if not skip_verl:
         _settle()
         cfg = {**config, "cache_dir": str(work / "verl-cache")}
