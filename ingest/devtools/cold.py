@@ -4,7 +4,9 @@ Clock from ``build_dataset`` to the last batch of ``iter_torch_batches(collate_f
 the rows after the first batch over the time after it. ``loader="VerlDataLoader"``: the same through the loader verl's
 trainer iterates (its first batch made in the driver before Ray starts), the clock from its construction;
 ``loader="VerlDataLoader+len"``: the same after ``len()`` on a new dataset (an empty ``cache_dir``), as verl's trainer
-calls it before its first step: the epoch's count is on the clock.
+calls it before its first step: the epoch's count is on the clock. ``loader="iter_torch_batches+ray"``: the README's
+order, ``ray.init()`` (a brand-new local Ray) right before the clock, then ``build_dataset`` + ``iter_torch_batches``:
+nothing of Ray Data started or warmed, only the cluster's own start off the clock.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def run_loader(files: list[str], model: str, config: dict, processor: str | None
     collate = VerlCollate(row_format=config.get("row_format", "verl-0.5"))
     if loader == "VerlDataLoader+len":  # a new dataset: nothing counted before
         config["cache_dir"] = tempfile.mkdtemp(prefix="ingest-cold-count-")
+    if loader == "iter_torch_batches+ray":
+        from ingest.datasets.pools import ensure_ray
+
+        ensure_ray()  # what build_dataset would start, started first: the clock begins as the call returns
     started = time.perf_counter()
     if loader.startswith("VerlDataLoader"):
         batches = VerlDataLoader(files, model, config, BATCH_SIZE, processor, drop_last=False, collate_fn=collate)
