@@ -1,5 +1,5 @@
 """``python -m ingest``: run the pipeline, build the offline tokenizer, write the demo dataset. (``bench`` is the
-dev tooling's: ``ingest.devtools.cli``.)"""
+dev tooling's, in the repository's ``tools/``.)"""
 
 from __future__ import annotations
 

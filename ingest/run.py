@@ -21,7 +21,7 @@ from ingest.datasets.pools import ensure_ray
 from ingest.datasets.rl import build_dataset, cluster_layout
 from ingest.datasets.store import StoreTotals, store_totals
 from ingest.errors import IngestError, SourceError
-from ingest.read.files import BadFile, _describe, conflicting_column, expand_files, inspect_files, unify_schemas
+from ingest.read.files import BadFile, printable_path, conflicting_column, expand_files, inspect_files, unify_schemas
 from ingest.stats import RunLedger, RunSummary
 
 OUTPUT_ROWS_PER_FILE = 50_000
@@ -182,7 +182,7 @@ def plan_run(files: FilesArg, cfg: DataConfig, *, multimodal: bool = False) -> t
     for info in inspect_files(paths, cfg.storage_options, bad=bad):
         if cfg.prompt_key not in info.schema.names:
             reason = f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)})"
-            error = SourceError(reason, file=_describe(info.path), column=cfg.prompt_key)
+            error = SourceError(reason, file=printable_path(info.path), column=cfg.prompt_key)
             bad.append(BadFile(info.path, error, info.num_rows))
             continue
         try:
@@ -191,7 +191,7 @@ def plan_run(files: FilesArg, cfg: DataConfig, *, multimodal: bool = False) -> t
             )
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             reason = f"schema conflicts with the files before it: {exc}"
-            error = SourceError(reason, file=_describe(info.path), column=conflicting_column(exc))
+            error = SourceError(reason, file=printable_path(info.path), column=conflicting_column(exc))
             bad.append(BadFile(info.path, error, info.num_rows))
             continue
         schema = merged

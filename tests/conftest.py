@@ -77,6 +77,6 @@ def variety_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def geo3k_files(tmp_path_factory):
     """geo3k-shaped multimodal rows (every image kind, written with the HF Image() feature), over 2 files."""
-    from ingest.devtools.samples import write_geo3k_parquet
+    from tools.samples import write_geo3k_parquet
 
     return write_geo3k_parquet(tmp_path_factory.mktemp("geo3k"), 48, num_files=2, row_group_size=12)

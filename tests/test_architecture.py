@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVTOOLS = "ingest.devtools"
+DEVTOOLS = "tools"
 # the one product file that names the dev tooling: ``python -m ingest bench`` hands over to it
 ENTRY_POINT = ROOT / "ingest" / "__main__.py"
 
@@ -115,7 +115,7 @@ def test_sft_is_a_leaf_library():
         "import sys, pkgutil, importlib, ingest.sft\n"
         "for m in pkgutil.iter_modules(ingest.sft.__path__): importlib.import_module('ingest.sft.' + m.name)\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'actors') or m.startswith(('ingest.stages',"
-        " 'ingest.datasets', 'ingest.devtools'))]\n"
+        " 'ingest.datasets', 'tools'))]\n"
         "print(bad)\n"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -126,7 +126,7 @@ def test_code_names_no_machine_paths_or_issue_numbers():
     pattern = re.compile(r"/work/|/home/\w+/|\bissues? #?\d+\b", re.IGNORECASE)
     offenders = [
         f"{p.relative_to(ROOT)}:{i}"
-        for p in [*_product_files(), *(ROOT / "ingest" / "devtools").rglob("*.py")]
+        for p in [*_product_files(), *(ROOT / "tools").rglob("*.py")]
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if pattern.search(line)
     ]

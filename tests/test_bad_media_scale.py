@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from ingest.devtools.samples import encode_image, make_video_file
+from tools.samples import encode_image, make_video_file
 from ingest.run import run_pipeline
 from tests.support.media import header_only_png, write_media_rows
 

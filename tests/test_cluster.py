@@ -137,7 +137,7 @@ print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "p
 
 
 def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
-    from ingest.devtools.samples import write_geo3k_parquet
+    from tools.samples import write_geo3k_parquet
     from tests.support.cluster import start_autoscaling_cluster
 
     files = write_geo3k_parquet(tmp_path / "geo3k", 192, row_group_size=8)

@@ -317,6 +317,8 @@ def test_dockerfile_installs_the_pinned_stack_and_the_package():
     for package in meta["tool"]["setuptools"]["packages"]["find"]["include"]:  # the top-level packages and below
         assert package.split(".")[0] in copied, f"package {package} is not copied into the image"
     assert meta["project"]["readme"] in copied and "pyproject.toml" in copied and "requirements/main.txt" in copied
+    shipped = meta["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert "tools" not in copied and not any(p.split(".")[0] == "tools" for p in shipped)  # dev tooling ships in neither
 
     # requirements/main.txt (what the image installs) satisfies pyproject's ranges
     ranges = {Requirement(d).name: Requirement(d).specifier for d in meta["project"]["dependencies"]}
@@ -338,7 +340,7 @@ def test_dockerignore_keeps_environments_out_but_not_the_sources():
     patterns = [
         p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
     ]
-    for heavy in (".venv", ".oracle", "out", ".git"):
+    for heavy in (".venv", ".oracle", "out", ".git", "tools"):  # tools/: the dev tooling ships in no image
         assert heavy in patterns, f".dockerignore does not exclude {heavy}"
     needed = [
         "ingest/cli.py",

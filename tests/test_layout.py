@@ -123,7 +123,7 @@ def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(
         files = [str(f) for f in write_gsm8k_parquet(tmp_path / "data", 1200, row_group_size=100, long_every=7)]
         processor, total, unit_rows = None, 1200, 100
     else:
-        from ingest.devtools.samples import write_geo3k_parquet
+        from tools.samples import write_geo3k_parquet
 
         files = [str(f) for f in write_geo3k_parquet(tmp_path / "data", 160, num_files=1, row_group_size=8)]
         processor, total, unit_rows = model_dir, 160, 8

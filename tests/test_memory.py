@@ -164,7 +164,7 @@ def test_pooled_image_rows_for_the_scale_bench(tmp_path):
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from ingest.devtools.samples import IMAGE_KINDS, encode_image, geo3k_schema, make_image, write_geo3k_pool_parquet
+    from tools.samples import IMAGE_KINDS, encode_image, geo3k_schema, make_image, write_geo3k_pool_parquet
 
     data = write_geo3k_pool_parquet(tmp_path, 23, pool_size=6, rows_per_file=10, row_group_size=4)
     assert [pq.ParquetFile(f).metadata.num_rows for f in data["files"]] == [10, 10, 3]

@@ -83,7 +83,7 @@ def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(model
 
 
 def test_image_rows_through_decode_and_vision_pools_survive_node_loss(model_dir, tmp_path):
-    from ingest.devtools.samples import write_geo3k_parquet
+    from tools.samples import write_geo3k_parquet
 
     files = write_geo3k_parquet(tmp_path, 96, num_files=2, row_group_size=8)
     config = {

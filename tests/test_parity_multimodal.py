@@ -14,8 +14,8 @@ import torch
 
 from ingest import BadRowError, build_dataset
 from ingest.config import DataConfig, StageContext
-from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.devtools.samples import IMAGE_KINDS, encode_image, make_image
+from tools.oracle import oracle_available, run_verl
+from tools.samples import IMAGE_KINDS, encode_image, make_image
 from ingest.errors import find_ingest_error
 from ingest.stats import RunLedger
 from tests.support.batches import collect
@@ -289,7 +289,7 @@ def _truncated_through_media_file(path):
     ]
     import json
 
-    from ingest.devtools.samples import HF_IMAGE_FEATURES
+    from tools.samples import HF_IMAGE_FEATURES
 
     table = pq.read_table(write_media_rows(path, rows))
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -424,7 +424,7 @@ def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp
 def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, model_dir):
     """``bench vision``'s blocks are the decode stage's output and its pool runs ``VisionStage`` on them (a smoke
     test of the command's parts on the session's Ray: no timing asserted)."""
-    from ingest.devtools.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool
+    from tools.vision_bench import decoded_blocks, image_count, shared_gpu_pool, time_pool
 
     blocks = decoded_blocks(geo3k_files, model_dir)
     assert sum(image_count(b) for b in blocks) >= sum(b.num_rows for b in blocks) > 0
@@ -440,7 +440,7 @@ def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, mode
 def test_qwen25_vl_rows_equal_verl(ray_session, geo3k_files, model_dir, tmp_path_factory):
     """A Qwen2.5-VL processor (built offline: the embedded vocabulary, Qwen2.5-VL's class and pixel budget): verl
     0.5.0 takes its Qwen2-VL rope branch; every key equal, large images kept larger than Qwen2-VL's budget allows."""
-    from ingest.devtools.samples import qwen25_vl_model_dir
+    from tools.samples import qwen25_vl_model_dir
 
     if not oracle_available():
         pytest.skip("verl 0.5.0 oracle not installed (make oracle)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ingest import BadRowError, build_dataset
-from ingest.devtools.oracle import oracle_available, run_verl
+from tools.oracle import oracle_available, run_verl
 from ingest.errors import find_ingest_error
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches

@@ -12,7 +12,7 @@ import yaml
 
 from ingest.config import DataConfig
 from ingest.demo import write_gsm8k_parquet
-from ingest.devtools.oracle import oracle_available
+from tools.oracle import oracle_available
 from ingest.tokenizer.chat import ChatTokenizer
 from ingest.tool_schemas import tool_schemas
 from tests.support import formats

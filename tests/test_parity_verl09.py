@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.demo import gsm8k_rows
-from ingest.devtools.oracle import OracleServer, oracle_available
-from ingest.devtools.samples import (
+from tools.oracle import OracleServer, oracle_available
+from tools.samples import (
     geo3k_rows,
     geo3k_schema,
     qwen3_vl_model_dir,

@@ -9,8 +9,8 @@ import torch
 
 from ingest import build_dataset
 from ingest.config import DataConfig, StageContext
-from ingest.devtools.oracle import oracle_available, run_verl
-from ingest.devtools.samples import make_video_file, write_video_parquet
+from tools.oracle import oracle_available, run_verl
+from tools.samples import make_video_file, write_video_parquet
 from ingest.errors import BadRowError, find_ingest_error
 from ingest.stats import RunLedger
 from tests.support.batches import collect

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ingest.demo import write_gsm8k_parquet
-from ingest.devtools.oracle import oracle_available, oracle_environment
+from tools.oracle import oracle_available, oracle_environment
 
 ROWS_KEPT, BATCH, EPOCHS = 103, 8, 2  # 120 rows, every 7th too long for 160 tokens
 # a tiny Qwen2 config beside the offline tokenizer: verl 0.9 reads the model's config before it builds anything

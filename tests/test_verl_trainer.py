@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ingest.demo import write_gsm8k_parquet
-from ingest.devtools.oracle import oracle_available, run_verl
+from tools.oracle import oracle_available, run_verl
 from ingest.verl import IngestDataset, VerlDataLoader
 from ingest.verl.dataset import CUSTOM_CLS
 from ingest.verl.length import CACHE_FILE

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ingest.config import DataConfig, StageContext
 from ingest.errors import ModelLoadError, SourceError
-from ingest.read.files import FileInfo, _describe, expand_files, inspect_files, reads_as_pil_images, unify_schemas
+from ingest.read.files import FileInfo, printable_path, expand_files, inspect_files, reads_as_pil_images, unify_schemas
 from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
 
 FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
@@ -35,7 +35,7 @@ class InputPlan:
             for i, info in enumerate(self.infos)
             if image_key in info.schema.names and not reads_as_pil_images(info.schema, image_key)
         )
-        return StageContext(tuple(_describe(p) for p in self.files), ledger, keep_provenance, plain)
+        return StageContext(tuple(printable_path(p) for p in self.files), ledger, keep_provenance, plain)
 
 
 def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:
@@ -45,7 +45,7 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: 
         if cfg.prompt_key not in info.schema.names:
             raise SourceError(
                 f"no prompt column {cfg.prompt_key!r} (columns: {', '.join(info.schema.names)}); set data.prompt_key",
-                file=_describe(info.path),
+                file=printable_path(info.path),
                 column=cfg.prompt_key,
             )
     rows_per_task = cfg.read_rows_per_task

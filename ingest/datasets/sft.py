@@ -28,7 +28,7 @@ from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
 from ingest.datasets.pools import map_on_pool, read_units_into_pool
 from ingest.errors import SourceError
-from ingest.read.files import _describe, expand_files, inspect_files
+from ingest.read.files import printable_path, expand_files, inspect_files
 from ingest.sft.tokenizers import HFChatTokenizer, is_processor_object, is_tokenizer_object
 from ingest.stages.sft import NO_TARGET_POLICIES
 from ingest.tokenizer.chat import ChatTokenizer
@@ -79,12 +79,12 @@ def _layout_error(files: FilesArg, cfg: DataConfig, infos: list | None = None) -
         if cfg.sft_messages_key not in names and not {cfg.prompt_key, cfg.sft_completion_key} <= set(names):
             return SourceError(
                 f"no conversation columns: found {', '.join(map(repr, names)) or 'none'}; {expected}",
-                file=_describe(info.path),
+                file=printable_path(info.path),
                 column=cfg.sft_messages_key,
             )
     return SourceError(  # each file has one layout, but not all the same one
         f"the files mix the two conversation layouts; {expected}, the same in every file",
-        file=_describe(infos[0].path) if infos else None,
+        file=printable_path(infos[0].path) if infos else None,
         column=cfg.sft_messages_key,
     )
 

@@ -45,7 +45,7 @@ def _qualify(entry: str, protocol: str, found: str) -> str:
     return f"{protocol}://{found}"
 
 
-def _describe(path: str) -> str:
+def printable_path(path: str) -> str:
     """A path safe to print: no credentials embedded in the URL (``s3://key:secret@bucket``)."""
     if "://" in path and "@" in path.split("://", 1)[1].split("/", 1)[0]:
         scheme, rest = path.split("://", 1)
@@ -64,7 +64,7 @@ def _secrets(path: str, storage_options: dict | None) -> list[str]:
     return sorted({s for s in secrets if s}, key=len, reverse=True)
 
 
-def _failure(what: str, exc: Exception, path: str, storage_options: dict | None) -> str:
+def redacted_failure(what: str, exc: Exception, path: str, storage_options: dict | None) -> str:
     """``what: ExcType: message`` with every credential removed (messages from s3fs / botocore can echo them)."""
     return redact(f"{what}: {type(exc).__name__}: {exc}", _secrets(path, storage_options))
 
@@ -87,19 +87,19 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
             if any(ch in entry for ch in _GLOB_CHARS):
                 found = sorted(p for p in fs.glob(entry) if not fs.isdir(p))
                 if not found:
-                    raise SourceError("glob matched no files", file=_describe(entry))
+                    raise SourceError("glob matched no files", file=printable_path(entry))
             elif fs.isdir(entry):
                 found = sorted(p for p in fs.find(entry) if p.endswith(".parquet") or p.endswith(".parq"))
                 if not found:
-                    raise SourceError("directory holds no .parquet files", file=_describe(entry))
+                    raise SourceError("directory holds no .parquet files", file=printable_path(entry))
             elif fs.exists(entry):
                 found = [entry]
             else:
-                raise SourceError("no such file or directory", file=_describe(entry))
+                raise SourceError("no such file or directory", file=printable_path(entry))
         except SourceError:
             raise
         except Exception as exc:  # permissions, bad endpoint, unreachable namenode, ...
-            raise SourceError(_failure("cannot list", exc, entry, storage_options), file=_describe(entry)) from None
+            raise SourceError(redacted_failure("cannot list", exc, entry, storage_options), file=printable_path(entry)) from None
         out.extend(p if p == entry else _qualify(entry, protocol, p) for p in found)
     duplicates = sorted({p for p in out if out.count(p) > 1})
     if duplicates:
@@ -151,17 +151,17 @@ def open_parquet(path: str, storage_options: dict | None = None) -> pq.ParquetFi
         try:
             return pq.ParquetFile(path.removeprefix("file://"))
         except Exception as exc:
-            reason = _failure("cannot read as Parquet", exc, path, storage_options)
-            raise SourceError(reason, file=_describe(path)) from None
+            reason = redacted_failure("cannot read as Parquet", exc, path, storage_options)
+            raise SourceError(reason, file=printable_path(path)) from None
     try:
         handle = _TrackedFile(filesystem_for(path, storage_options).open(path, "rb"))
     except Exception as exc:
-        raise StoreError(_failure("cannot open", exc, path, storage_options), file=_describe(path)) from None
+        raise StoreError(redacted_failure("cannot open", exc, path, storage_options), file=printable_path(path)) from None
     try:
         pf = pq.ParquetFile(handle)
     except Exception as exc:
         error = StoreError if handle.failure is not None else SourceError
-        raise error(_failure("cannot read as Parquet", exc, path, storage_options), file=_describe(path)) from None
+        raise error(redacted_failure("cannot read as Parquet", exc, path, storage_options), file=printable_path(path)) from None
     pf._ingest_handle = handle
     return pf
 
@@ -213,7 +213,7 @@ def check_no_pickles(schema: pa.Schema, path: str) -> None:
         raise SourceError(
             f"column(s) {', '.join(map(repr, columns))} hold pickled Python objects "
             f"({' / '.join(PICKLE_EXTENSION_TYPES)}); reading them would run code from the file, refused",
-            file=_describe(path),
+            file=printable_path(path),
             column=columns[0],
         )
 
@@ -290,8 +290,8 @@ def inspect_files(
                 row_groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
                 info = FileInfo(path, pf.schema_arrow, row_groups)
             except Exception as exc:  # e.g. a logical type Arrow cannot map
-                reason = _failure("cannot read the Parquet footer", exc, path, storage_options)
-                raise SourceError(reason, file=_describe(path)) from None
+                reason = redacted_failure("cannot read the Parquet footer", exc, path, storage_options)
+                raise SourceError(reason, file=printable_path(path)) from None
             check_no_pickles(info.schema, path)
             return info
         except SourceError as exc:
@@ -330,8 +330,8 @@ def unify_schemas(infos: Iterable[FileInfo]) -> pa.Schema:
                 pa.unify_schemas([first.schema, info.schema], promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 raise SourceError(
-                    f"schema conflicts with {_describe(first.path)}: {exc}",
-                    file=_describe(info.path),
+                    f"schema conflicts with {printable_path(first.path)}: {exc}",
+                    file=printable_path(info.path),
                     column=conflicting_column(exc),
                 ) from None
         raise SourceError(f"schemas cannot be unified: {exc}", column=conflicting_column(exc)) from None

@@ -27,7 +27,7 @@ from ray.data.datasource import Datasource, ReadTask
 from ingest.accounting import BatchCounts, report_counts
 from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.errors import SourceError, StoreError
-from ingest.read.files import FileInfo, _describe, _failure, check_no_pickles, conform, open_parquet, store_failed
+from ingest.read.files import FileInfo, printable_path, redacted_failure, check_no_pickles, conform, open_parquet, store_failed
 
 MAX_SLICES_PER_ROW_GROUP = 16
 
@@ -143,8 +143,8 @@ def read_unit(
     except Exception as exc:
         error = StoreError if store_failed(pf) else SourceError  # the store failing vs a corrupt data page
         raise error(
-            _failure(f"cannot read row groups {list(unit.row_groups)}", exc, path, storage_options),
-            file=_describe(path),
+            redacted_failure(f"cannot read row groups {list(unit.row_groups)}", exc, path, storage_options),
+            file=printable_path(path),
             row=unit.first_row + unit.slice_start,
         ) from None
     check_no_pickles(table.schema, path)  # the footer was checked when planning; the file may have changed since

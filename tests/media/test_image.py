@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from ingest.devtools.samples import encode_image, make_image
+from tools.samples import encode_image, make_image
 
 
 def test_only_complete_baseline_jpegs_are_left_to_the_device():

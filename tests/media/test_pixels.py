@@ -112,7 +112,7 @@ def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
     """Images that view one buffer become views of one uploaded tensor (one transfer per batch); others, and
     tensors already on the device, go as they are. A decoded block's images are such views."""
     from ingest.blocks import rgb_arrays
-    from ingest.devtools.vision_bench import decoded_blocks
+    from tools.vision_bench import decoded_blocks
     from ingest.media.pixels import _shared_span, device_images
 
     rgbs = sample_rgbs()
@@ -136,7 +136,7 @@ def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
 def test_device_patches_come_back_into_reused_host_buffers(model_dir):
     """A device's patches land in a ``DEVICE_PATCHES`` buffer, page-locked where CUDA is (one DMA back), reused
     once the block is gone; ``pinned_or_pageable`` gives ordinary memory without CUDA. The copy-back itself runs
-    with a device: ``test_cuda_vision_matches_cpu_within_tolerance`` and ``ingest/devtools/gpu``."""
+    with a device: ``test_cuda_vision_matches_cpu_within_tolerance`` and ``tools/gpu``."""
     from ingest.media.pixels import DEVICE_PATCHES, ImagePixels, host_array
     from ingest.memory import pinned_or_pageable
 

@@ -2,7 +2,7 @@
 CPU uint8 kernel's, byte for byte. CI has no GPU, so the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
 CPU tensors), in a subprocess: the variable has to be set before triton is imported. Triton's compiler builds them for
 the GPUs without one; they run compiled where a CUDA device is (``test_cuda_triton_resize_equals_the_cpu_kernel``, in
-``ingest/devtools/gpu/run.sh``)."""
+``tools/gpu/run.sh``)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import torch
 from ingest.config import DataConfig
 from ingest.tokenizer.offline import build_offline_model_dir
 from ingest.media.pixels import ImagePixels
-from ingest.devtools.samples import write_geo3k_parquet
+from tools.samples import write_geo3k_parquet
 from ingest.stages.vision import VisionStage
-from ingest.devtools.vision_bench import decoded_blocks
+from tools.vision_bench import decoded_blocks
 
 model = str(build_offline_model_dir())
 pixels = ImagePixels.from_dir(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ingest.devtools.samples import make_video_file
+from tools.samples import make_video_file
 from ingest.media.video import (
     decode_video_file,
     frame_indices,
@@ -96,7 +96,7 @@ def _system_has_ffmpeg() -> bool:
 def test_cuda_video_decode_is_close_to_pyav(tmp_path):
     """torchcodec (NVDEC) against PyAV on the same file. The same frames (index and count exact); NVDEC's YUV -> RGB
     conversion is not FFmpeg's swscale, so pixels are compared within a bound: on an H100 (2026-11-26,
-    ``ingest/devtools/gpu/video_check.py``) this clip was 1.55 levels off on average, at most 21; five clips
+    ``tools/gpu/video_check.py``) this clip was 1.55 levels off on average, at most 21; five clips
     1.13-2.25 and at
     most 26, 25-40% of values equal."""
     needs_torchcodec()

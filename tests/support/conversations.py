@@ -119,7 +119,7 @@ def expected_chatml_mask(ids: list[int]) -> list[bool]:
 
 
 def encoded_image(rng: random.Random, kind: str):
-    from ingest.devtools.samples import encode_image, make_image
+    from tools.samples import encode_image, make_image
 
     image, fmt = make_image(kind, rng)
     return encode_image(image, fmt)

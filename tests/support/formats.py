@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ingest import VerlCollate, build_dataset
-from ingest.devtools.oracle import run_verl
+from tools.oracle import run_verl
 
 
 def ours(files, model_dir, config: dict, row_format: str, batch_size: int, processor=None) -> list[dict]:

@@ -34,7 +34,7 @@ def write_path_string_image_rows(directory, rows: int = 16, seed: int = 2) -> st
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ingest.devtools.samples import geo3k_rows
+    from tools.samples import geo3k_rows
 
     table_rows = geo3k_rows(rows, seed=seed)
     for row in table_rows:
@@ -53,7 +53,7 @@ def write_path_string_image_rows(directory, rows: int = 16, seed: int = 2) -> st
 def good_and_cut_video_files(directory) -> tuple[str, str]:
     """A video file, and a copy of it whose index reads whole (faststart) but whose frames stop at 60% of the file:
     the tokenize stage plans it from the header, decoding comes up short."""
-    from ingest.devtools.samples import make_video_file
+    from tools.samples import make_video_file
 
     good = make_video_file(directory / "good.mp4", 24, 64, 64, 10, faststart=True)
     data = open(good, "rb").read()
@@ -83,7 +83,7 @@ def sample_rgbs() -> list[np.ndarray]:
     """RGB arrays of every image kind of the parity data (two each) and one over the pixel budget."""
     import random
 
-    from ingest.devtools.samples import IMAGE_KINDS, make_image
+    from tools.samples import IMAGE_KINDS, make_image
 
     rng = random.Random(3)
     images = [make_image(kind, rng)[0].convert("RGB") for kind in IMAGE_KINDS for _ in range(2)]

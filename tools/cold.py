@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from ingest.devtools.bench import BATCH_SIZE
+from tools.bench import BATCH_SIZE
 
 
 def steady_rows_per_s(result: dict) -> float:
@@ -33,7 +33,7 @@ def run_loader(files: list[str], model: str, config: dict, processor: str | None
     import torch  # noqa: F401  (a trainer has torch loaded; verl's side imports it before its clock too)
 
     from ingest import VerlCollate, build_dataset
-    from ingest.devtools.bench import BENCH_CONFIG
+    from tools.bench import BENCH_CONFIG
     from ingest.verl import VerlDataLoader
 
     config = {**BENCH_CONFIG, **config}

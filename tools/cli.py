@@ -10,27 +10,27 @@ import sys
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ingest.devtools.bench import MM_LAYOUTS, bench_mm, bench_text
+    from tools.bench import MM_LAYOUTS, bench_mm, bench_text
 
     if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
-        from ingest.devtools.sft_bench import bench_sft
+        from tools.sft_bench import bench_sft
 
         print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
         return 0
     if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
-        from ingest.devtools.scale import bench_scale  # --images: image rows, default 10k 100k
+        from tools.scale import bench_scale  # --images: image rows, default 10k 100k
 
         print(json.dumps(bench_scale(rows=args.rows, work_dir=args.work_dir, images=args.images), indent=2))
         return 0
     if args.kind == "scaling":  # text rows/s by tokenizer actor count, image rows/s by layout (--rows: text, images)
-        from ingest.devtools.scaling import bench_scaling
+        from tools.scaling import bench_scaling
 
         text_rows, image_rows = ((args.rows or []) + [200_000, 2_000][len(args.rows or []) :])[:2]
         result = bench_scaling(text_rows, image_rows, args.actors, args.work_dir, consumers=args.consumers)
         print(json.dumps(result, indent=2))
         return 0
     if args.kind == "profile":  # a row's CPU time per stage, one process, no Ray (--rows: 200000 text, 1000 images)
-        from ingest.devtools.profile import bench_profile, bench_profile_images
+        from tools.profile import bench_profile, bench_profile_images
 
         if args.images:
             result = bench_profile_images(rows=(args.rows or [1000])[0], work_dir=args.work_dir)
@@ -39,19 +39,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9 (or --row-format verl-0.7: 0.7.1), cold
-        from ingest.devtools.verl09_bench import bench_verl09  # --rows: text rows, image rows
+        from tools.verl09_bench import bench_verl09  # --rows: text rows, image rows
 
         text_rows, image_rows = (args.rows or [200_000, 5_000]) + [0] * (2 - len(args.rows or [0, 0]))
         result = bench_verl09(text_rows, image_rows, work_dir=args.work_dir, row_format=args.row_format)
         print(json.dumps(result, indent=2))
         return 0
     if args.kind == "refs":  # rollout feeding: object refs vs by value (--rows: one size, default 20000)
-        from ingest.devtools.bench import bench_refs
+        from tools.bench import bench_refs
 
         print(json.dumps(bench_refs(rows=(args.rows or [20_000])[0], work_dir=args.work_dir), indent=2))
         return 0
     if args.kind == "vision":  # images/s of the vision pool alone: 2-core CPU pool vs a GPU actor (default 1000)
-        from ingest.devtools.vision_bench import SHARED_GPU_ACTORS, bench_vision
+        from tools.vision_bench import SHARED_GPU_ACTORS, bench_vision
 
         result = bench_vision(
             rows=(args.rows or [1000])[0],
@@ -74,7 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench_text(rows=args.rows or [20_000, 200_000], work_dir=args.work_dir, skip_verl=args.skip_verl)
     print(json.dumps(result, indent=2))
     if args.record:
-        from ingest.devtools.chart import record
+        from tools.chart import record
 
         print(f"recorded; chart: {record(args.kind, result)}")
     return 0

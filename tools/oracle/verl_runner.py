@@ -253,7 +253,9 @@ def main():
             pickle.dump(trainer(spec), f)
         return
     if mode == "trainer_v1":
-        from ingest.devtools.oracle.trainer_v1 import trainer_v1
+        # run as a script, so its own folder is on sys.path, not the repository root that holds ``tools``
+        sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from tools.oracle.trainer_v1 import trainer_v1
 
         with open(spec["out"], "wb") as f:
             pickle.dump(trainer_v1(spec), f)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from ingest.devtools.gpu.fingerprint import levels  # noqa: E402
-from ingest.devtools.oracle import run_verl  # noqa: E402
+from tools.gpu.fingerprint import levels  # noqa: E402
+from tools.oracle import run_verl  # noqa: E402
 from ingest.media.pixels import ImagePixels  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
 from tests.test_parity_multimodal import BATCH, CONFIGS  # noqa: E402

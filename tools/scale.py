@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from ingest.devtools.session import cache_dir, cached_files, machine, start_local_ray
+from tools.session import cache_dir, cached_files, machine, start_local_ray
 
 ROWS_PER_FILE = 50_000
 ROW_GROUP_SIZE = 1000
@@ -83,7 +83,7 @@ def generate(work_dir: Path, rows: int) -> tuple[list[str], float | None, dict]:
 
 def write_images(out: Path, rows: int) -> dict:
     """The image rows of one size into ``out`` with their counts in ``out/data.json`` (``--write-images``)."""
-    from ingest.devtools.samples import write_geo3k_pool_parquet
+    from tools.samples import write_geo3k_pool_parquet
 
     data = write_geo3k_pool_parquet(
         out,
@@ -106,7 +106,7 @@ def generate_images(work_dir: Path, rows: int) -> tuple[list[str], float | None,
 
     def write(out: Path) -> list[str]:
         started = time.perf_counter()
-        cmd = [sys.executable, "-m", "ingest.devtools.scale", "--write-images", str(out), "--rows", str(rows)]
+        cmd = [sys.executable, "-m", "tools.scale", "--write-images", str(out), "--rows", str(rows)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         seconds.append(time.perf_counter() - started)
         return list(out.glob("*.parquet"))
@@ -287,7 +287,7 @@ def measure(rows: int, work_dir: Path, images: bool = False) -> dict:
 
 
 def bench_scale(rows: list[int] | None = None, work_dir: str | None = None, images: bool = False) -> dict:
-    """Each size in its own child process (``python -m ingest.devtools.scale``), then the peak ratio of the last to
+    """Each size in its own child process (``python -m tools.scale``), then the peak ratio of the last to
     the first. ``images``: geo3k-shaped image rows (default 10k and 100k rows), else gsm8k-shaped text (100k, 1M)."""
     rows = rows or ([10_000, 100_000] if images else [100_000, 1_000_000])
     work = cache_dir(work_dir)
@@ -302,7 +302,7 @@ def bench_scale(rows: list[int] | None = None, work_dir: str | None = None, imag
     for n in rows:
         out = work / f"scale-{'images-' if images else ''}{n}.json"
         load = os.getloadavg()[0]
-        cmd = [sys.executable, "-m", "ingest.devtools.scale", "--rows", str(n), "--out", str(out)]
+        cmd = [sys.executable, "-m", "tools.scale", "--rows", str(n), "--out", str(out)]
         subprocess.run([*cmd, "--work-dir", str(work), *(["--images"] if images else [])], check=True)
         entry = json.loads(out.read_text())
         entry.pop("samples")  # kept in scale-N.json
@@ -326,7 +326,7 @@ def bench_scale(rows: list[int] | None = None, work_dir: str | None = None, imag
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ingest.devtools.scale", description="one size of the scale benchmark"
+        prog="python -m tools.scale", description="one size of the scale benchmark"
     )
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--out")

@@ -14,7 +14,7 @@ sys.path.insert(0, os.getcwd())
 import ingest.media.pixels as P  # noqa: E402
 from ingest.blocks import tensor_from_record  # noqa: E402
 from ingest.config import DataConfig
-from ingest.devtools.vision_bench import decoded_blocks  # noqa: E402
+from tools.vision_bench import decoded_blocks  # noqa: E402
 from ingest.stages.vision import VisionStage  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
 

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, gsm8k_files
-from ingest.devtools.session import cache_dir, machine
+from tools.bench import BATCH_SIZE, BENCH_CONFIG, gsm8k_files
+from tools.session import cache_dir, machine
 
 
 def bench_profile(rows: int = 200_000, work_dir: str | None = None) -> dict:
@@ -74,7 +74,7 @@ def bench_profile_images(rows: int = 1000, work_dir: str | None = None) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from ingest.blocks import FILE_COLUMN, ROW_COLUMN
     from ingest.config import DataConfig, StageContext
-    from ingest.devtools.bench import geo3k_files
+    from tools.bench import geo3k_files
     from ingest.rowformat.collate import VerlCollate
     from ingest.stages.decode import DecodeStage
     from ingest.stages.prompt import prompt_stage

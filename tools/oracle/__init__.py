@@ -42,7 +42,7 @@ def oracle_dir(row_format: str = "verl-0.5") -> Path:
     """The directory of the oracle ``row_format`` (a row format or a release of ``ORACLE_BASES``)."""
     if row_format == "verl-0.5" and os.environ.get(ORACLE_DIR_ENV):
         return Path(os.environ[ORACLE_DIR_ENV])
-    return Path(__file__).resolve().parents[3] / ORACLE_DIRS[row_format]
+    return Path(__file__).resolve().parents[2] / ORACLE_DIRS[row_format]
 
 
 def oracle_path(row_format: str = "verl-0.5") -> list[Path]:

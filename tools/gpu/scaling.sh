@@ -4,7 +4,7 @@
 # stand-in workers on streaming_split shards; then the vision pool CPU vs GPU (SKIP_VISION=1: not). Results in $OUT.
 set +e
 export PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
-source ingest/devtools/gpu/setup.sh
+source tools/gpu/setup.sh
 nproc; nvidia-smi --query-gpu=name --format=csv,noheader
 t "bench scaling"
 timeout ${SCALING_TIMEOUT:-330} python3 -m ingest bench scaling --rows ${TEXT_ROWS:-200000} ${IMAGE_ROWS:-3000} \

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ingest.devtools.oracle.verl_runner import _lines, _processor, _tokenizer, run_save_lines
+from tools.oracle.verl_runner import _lines, _processor, _tokenizer, run_save_lines
 
 SAVE_FROM = "local_mkdir_safe(local_global_step_folder)"
 SAVE_TO = "torch.save(self.train_dataloader.state_dict(), dataloader_local_path)"

@@ -40,7 +40,7 @@ def decoded_blocks(files: list[str], model: str, defer_jpeg: bool = False) -> li
     from actors.tokenize import TokenizeActor
     from ingest.config import DataConfig
     from ingest.datasets.plan import plan_input
-    from ingest.devtools.bench import BENCH_CONFIG
+    from tools.bench import BENCH_CONFIG
     from ingest.read.files import unify_schemas
     from ingest.read.units import read_unit
     from ingest.stages.decode import DecodeStage
@@ -92,7 +92,7 @@ def time_pool(
 ) -> dict:
     """Seconds of ``actors`` vision actors over ``blocks`` (object refs) ``passes`` times, after one warm-up block
     per actor. ``actor_class``: another Ray actor class with the same ``run``
-    (``ingest/devtools/gpu/ab_upload.py``), built
+    (``tools/gpu/ab_upload.py``), built
     with (model, device, *actor_args)."""
     import ray
 
@@ -130,8 +130,8 @@ def bench_vision(
     import ray
     import torch
 
-    from ingest.devtools.bench import geo3k_files
-    from ingest.devtools.session import cache_dir, start_local_ray
+    from tools.bench import geo3k_files
+    from tools.session import cache_dir, start_local_ray
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())

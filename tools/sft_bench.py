@@ -144,7 +144,7 @@ def bench_sft(rows=(20_000,), work_dir: str | None = None, config: dict | None =
     import ray
     import torch  # noqa: F401  (a trainer has torch loaded)
 
-    from ingest.devtools.session import cache_dir, cached_files, start_local_ray
+    from tools.session import cache_dir, cached_files, start_local_ray
     from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())

@@ -1,4 +1,4 @@
-"""On the GPU machine (ingest/devtools/gpu/video.sh runs it): torchcodec's video decoder on CUDA (NVDEC) against PyAV on
+"""On the GPU machine (tools/gpu/video.sh runs it): torchcodec's video decoder on CUDA (NVDEC) against PyAV on
 the CPU, on clips made here with PyAV. Per clip: the frames of ``probe_video``'s sampling from each decoder, their
 difference from PyAV's in levels (NVDEC's YUV -> RGB conversion is not FFmpeg's swscale), and the time per video of
 ``decode_video_file`` with each (best of 5, after one warm-up). Writes one JSON line per clip and a summary to stdout,
@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from ingest.devtools.samples import make_video_file  # noqa: E402
+from tools.samples import make_video_file  # noqa: E402
 from ingest.media.video import decode_video_file, probe_video, torchcodec_error  # noqa: E402
 
 DEVICE = os.environ.get("VIDEO_CHECK_DEVICE", "cuda")

@@ -8,7 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "bench-results"
 CHART = ROOT / "docs" / "benchmarks.png"
 OURS, VERL, INK, GRID = (38, 110, 200), (160, 160, 160), (30, 30, 30), (225, 225, 225)

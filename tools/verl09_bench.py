@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, geo3k_files, gsm8k_files
-from ingest.devtools.session import cache_dir, machine
+from tools.bench import BATCH_SIZE, BENCH_CONFIG, geo3k_files, gsm8k_files
+from tools.session import cache_dir, machine
 
 ROW_FORMAT = "verl-0.9"  # the default; any format of RAW_PROMPT_FORMATS, each against its oracle
 SAMPLE_EVERY_S = 0.2
@@ -84,7 +84,7 @@ def run_ours_cold(
     """In this (new) process, the clock from the first call to the last batch. ``loader``: ``VerlDataLoader`` (what
     verl's trainer iterates: its first batch is made in the driver) or ``iter_torch_batches`` (``build_dataset`` +
     Ray Data's iterator: every batch from the actors)."""
-    from ingest.devtools.cold import run_loader
+    from tools.cold import run_loader
 
     return run_loader(files, model, {**config, "row_format": row_format}, processor, loader)
 
@@ -99,7 +99,7 @@ def _ours(
 
 
 def _verl(files: list[str], model: str, config: dict, processor: str | None, work: Path, row_format: str) -> dict:
-    from ingest.devtools.oracle import RUNNER, oracle_available, oracle_environment
+    from tools.oracle import RUNNER, oracle_available, oracle_environment
 
     if not oracle_available(row_format):
         raise RuntimeError(f"the {row_format} oracle is not installed (run `make oracle`)")

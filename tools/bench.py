@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from ingest.devtools.session import cache_dir, cached_files, start_local_ray
+from tools.session import cache_dir, cached_files, start_local_ray
 
 BENCH_CONFIG = {"max_prompt_length": 1024, "filter_overlong_prompts": True, "truncation": "error", "shuffle": False}
 BATCH_SIZE = 64
@@ -49,14 +49,14 @@ def gsm8k_files(work_dir: Path, rows: int) -> list[str]:
 
 def geo3k_files(work_dir: Path, rows: int) -> list[str]:
     """geo3k-shaped image rows (100-row row groups) from the sample-data cache."""
-    from ingest.devtools.samples import write_geo3k_parquet
+    from tools.samples import write_geo3k_parquet
 
     return cached_files(work_dir, f"geo3k-{rows}", lambda out: write_geo3k_parquet(out, rows, row_group_size=100))
 
 
 def run_ours(files: list[str], tokenizer: str, config: dict | None = None, processor: str | None = None) -> dict:
-    """Ours in this process (``devtools/cold.py``'s ``run_loader`` through ``iter_torch_batches``)."""
-    from ingest.devtools.cold import run_loader
+    """Ours in this process (``tools/cold.py``'s ``run_loader`` through ``iter_torch_batches``)."""
+    from tools.cold import run_loader
 
     return run_loader(files, tokenizer, config or {}, processor, "iter_torch_batches")
 
@@ -150,12 +150,12 @@ def _compare(
     layouts: dict[str, dict] | None = None,
     warm_workers: bool = False,
 ) -> dict:
-    """Ours (warm, each layout), ours cold (``devtools/cold.py``), the bare ceilings (text: every core, one process),
+    """Ours (warm, each layout), ours cold (``tools/cold.py``), the bare ceilings (text: every core, one process),
     then verl 0.5.0, on the same files: rows/s of each, the ratios to verl. ``layouts``: name -> our pool settings,
     each run in turn, in that order (``default`` and ``decode_pool``: ``ours`` / ``ratio_rows_per_s``; the others:
     ``ours_<name>`` / ``ratio_<name>``; ``order`` lists them). ``warm_workers``: one prestarted worker per actor of
     the layout waits for it (``_prestart_workers``)."""
-    from ingest.devtools.oracle import run_verl
+    from tools.oracle import run_verl
 
     layouts = layouts or {"default": {}}
     plain = ("ours", "ratio_rows_per_s")
@@ -167,7 +167,7 @@ def _compare(
         _settle()  # each clock starts on a quiet machine (the previous run's processes and cache writes wind down)
         entry[ours_key] = run_ours(files, model, {**config, **pools}, processor=processor)
     # cold: a new process and Ray session, the default pools, nothing warmed (the first run a user meets)
-    from ingest.devtools.cold import run_cold, steady_rows_per_s
+    from tools.cold import run_cold, steady_rows_per_s
 
     _settle()
     entry["ours_cold"] = run_cold(files, model, config, processor)
@@ -178,7 +178,7 @@ def _compare(
     _settle()  # the same after len() on a new dataset (verl's trainer calls it first): the epoch's count on the clock
     entry["ours_cold_verl_loader_new_dataset"] = run_cold(files, model, config, processor, loader="VerlDataLoader+len")
     if processor is None:  # the bare ceiling on the same rows: render + batch encode on every core, no Ray
-        from ingest.devtools.scaling import _ceiling
+        from tools.scaling import _ceiling
 
         _settle()
         ceiling = entry["ceiling"] = _ceiling(files, model, os.cpu_count() or 1)

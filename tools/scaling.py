@@ -15,9 +15,9 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from ingest.devtools.bench import BATCH_SIZE, BENCH_CONFIG, _start_ray, geo3k_files, gsm8k_files, run_ours
-from ingest.devtools.cold import steady_rows_per_s
-from ingest.devtools.session import cache_dir
+from tools.bench import BATCH_SIZE, BENCH_CONFIG, _start_ray, geo3k_files, gsm8k_files, run_ours
+from tools.cold import steady_rows_per_s
+from tools.session import cache_dir
 
 
 def _rounded(result: dict) -> dict:
