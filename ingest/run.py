@@ -21,7 +21,7 @@ from ingest.datasets.pools import ensure_ray
 from ingest.datasets.rl import build_dataset, cluster_layout
 from ingest.datasets.store import StoreTotals, store_totals
 from ingest.errors import IngestError, SourceError
-from ingest.read.files import BadFile, printable_path, conflicting_column, expand_files, inspect_files, unify_schemas
+from ingest.read.files import BadFile, conflicting_column, expand_files, inspect_files, printable_path, unify_schemas
 from ingest.stats import RunLedger, RunSummary
 
 OUTPUT_ROWS_PER_FILE = 50_000

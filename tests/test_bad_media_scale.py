@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from tools.samples import encode_image, make_video_file
 from ingest.run import run_pipeline
 from tests.support.media import header_only_png, write_media_rows
+from tools.samples import encode_image, make_video_file
 
 IMAGE_FILES, IMAGE_ROWS_PER_FILE, ROW_GROUP = 3, 400, 50
 HUGE = (20_000, 20_000)  # 400M pixels: over PIL's decompression-bomb limit (2 x 89.5M), refused on open

@@ -137,8 +137,8 @@ print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "p
 
 
 def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
-    from tools.samples import write_geo3k_parquet
     from tests.support.cluster import start_autoscaling_cluster
+    from tools.samples import write_geo3k_parquet
 
     files = write_geo3k_parquet(tmp_path / "geo3k", 192, row_group_size=8)
     port = free_port()

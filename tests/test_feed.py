@@ -16,11 +16,11 @@ from ray import cloudpickle
 
 from ingest import VerlCollate, build_dataset, iter_batch_refs
 from ingest.demo import write_gsm8k_parquet
-from tools.oracle import oracle_available, run_verl_dataproto
-from tools.samples import write_geo3k_parquet
 from ingest.feed import batch_to_numpy, batch_to_torch, split_for_rollout
 from tests.support.batches import collect
 from tests.support.compare import assert_same, assert_same_batches
+from tools.oracle import oracle_available, run_verl_dataproto
+from tools.samples import write_geo3k_parquet
 
 # Classes below (rollout actors, a counting collate) travel to Ray workers by value, not by module name.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -14,13 +14,13 @@ import torch
 
 from ingest import BadRowError, build_dataset
 from ingest.config import DataConfig, StageContext
-from tools.oracle import oracle_available, run_verl
-from tools.samples import IMAGE_KINDS, encode_image, make_image
 from ingest.errors import find_ingest_error
 from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_media_rows
+from tools.oracle import oracle_available, run_verl
+from tools.samples import IMAGE_KINDS, encode_image, make_image
 
 CONFIGS = [
     {"truncation": "left", "filter_overlong_prompts": True, "return_raw_chat": True, "max_prompt_length": 640},

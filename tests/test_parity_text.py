@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ingest import BadRowError, build_dataset
-from tools.oracle import oracle_available, run_verl
 from ingest.errors import find_ingest_error
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
+from tools.oracle import oracle_available, run_verl
 
 pytestmark = pytest.mark.skipif(not oracle_available(), reason="verl 0.5.0 oracle not installed (make oracle)")
 

@@ -12,12 +12,12 @@ import yaml
 
 from ingest.config import DataConfig
 from ingest.demo import write_gsm8k_parquet
-from tools.oracle import oracle_available
 from ingest.tokenizer.chat import ChatTokenizer
 from ingest.tool_schemas import tool_schemas
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.templates import QWEN25_TEMPLATE, template_dir
+from tools.oracle import oracle_available
 
 BATCH = 8
 LIMIT = 300  # the gsm8k prompts here: 72-106 tokens without the tools, 291-325 with them

@@ -11,11 +11,11 @@ import pytest
 
 from ingest import DataConfig, VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
-from tools.oracle import oracle_available
-from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.test_parity_text import BATCH, CONFIGS
+from tools.oracle import oracle_available
+from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
 
 ROW_FORMAT = "verl-0.6"
 pytestmark = pytest.mark.skipif(

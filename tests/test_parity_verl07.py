@@ -12,6 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.demo import gsm8k_rows
+from ingest.errors import BadRowError, find_ingest_error
+from ingest.run import run_pipeline
+from tests.support import formats
+from tests.support.compare import assert_same_batches
+from tests.support.media import write_path_string_image_rows
 from tools.oracle import oracle_available
 from tools.samples import (
     geo3k_rows,
@@ -20,11 +25,6 @@ from tools.samples import (
     qwen25_vl_model_dir,
     write_video_parquet,
 )
-from ingest.errors import BadRowError, find_ingest_error
-from ingest.run import run_pipeline
-from tests.support import formats
-from tests.support.compare import assert_same_batches
-from tests.support.media import write_path_string_image_rows
 
 ROW_FORMAT = "verl-0.7"
 BATCH = 8

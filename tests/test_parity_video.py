@@ -9,13 +9,13 @@ import torch
 
 from ingest import build_dataset
 from ingest.config import DataConfig, StageContext
-from tools.oracle import oracle_available, run_verl
-from tools.samples import make_video_file, write_video_parquet
 from ingest.errors import BadRowError, find_ingest_error
 from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import good_and_cut_video_files, needs_torchcodec, write_media_rows
+from tools.oracle import oracle_available, run_verl
+from tools.samples import make_video_file, write_video_parquet
 
 BATCH = 4
 # (dataset kind, with images, config): the 700-token limit filters the two-video rows of the frame-list data

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ingest.demo import write_gsm8k_parquet
-from tools.oracle import oracle_available, run_verl
 from ingest.verl import IngestDataset, VerlDataLoader
 from ingest.verl.dataset import CUSTOM_CLS
 from ingest.verl.length import CACHE_FILE
+from tools.oracle import oracle_available, run_verl
 
 BATCH, EPOCHS, SAVE_AFTER = 8, 2, 5
 # verl's generation pops per release: 0.5 / 0.6 pop the id tensors, 0.9 rows have none (dummy_tensor stays)

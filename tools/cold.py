@@ -33,8 +33,8 @@ def run_loader(files: list[str], model: str, config: dict, processor: str | None
     import torch  # noqa: F401  (a trainer has torch loaded; verl's side imports it before its clock too)
 
     from ingest import VerlCollate, build_dataset
-    from tools.bench import BENCH_CONFIG
     from ingest.verl import VerlDataLoader
+    from tools.bench import BENCH_CONFIG
 
     config = {**BENCH_CONFIG, **config}
     collate = VerlCollate(row_format=config.get("row_format", "verl-0.5"))

@@ -74,12 +74,12 @@ def bench_profile_images(rows: int = 1000, work_dir: str | None = None) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from ingest.blocks import FILE_COLUMN, ROW_COLUMN
     from ingest.config import DataConfig, StageContext
-    from tools.bench import geo3k_files
     from ingest.rowformat.collate import VerlCollate
     from ingest.stages.decode import DecodeStage
     from ingest.stages.prompt import prompt_stage
     from ingest.stages.vision import VisionStage
     from ingest.tokenizer.offline import build_offline_model_dir
+    from tools.bench import geo3k_files
 
     files = [str(f) for f in geo3k_files(cache_dir(work_dir), rows)]
     model = str(build_offline_model_dir())

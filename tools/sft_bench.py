@@ -144,8 +144,8 @@ def bench_sft(rows=(20_000,), work_dir: str | None = None, config: dict | None =
     import ray
     import torch  # noqa: F401  (a trainer has torch loaded)
 
-    from tools.session import cache_dir, cached_files, start_local_ray
     from ingest.tokenizer.offline import build_offline_model_dir
+    from tools.session import cache_dir, cached_files, start_local_ray
 
     model = str(build_offline_model_dir())
     work = cache_dir(work_dir)

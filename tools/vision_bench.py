@@ -40,10 +40,10 @@ def decoded_blocks(files: list[str], model: str, defer_jpeg: bool = False) -> li
     from actors.tokenize import TokenizeActor
     from ingest.config import DataConfig
     from ingest.datasets.plan import plan_input
-    from tools.bench import BENCH_CONFIG
     from ingest.read.files import unify_schemas
     from ingest.read.units import read_unit
     from ingest.stages.decode import DecodeStage
+    from tools.bench import BENCH_CONFIG
 
     cfg = DataConfig.from_any({**BENCH_CONFIG, "truncation": "left"})
     plan = plan_input(files, cfg, multimodal=True)
@@ -130,9 +130,9 @@ def bench_vision(
     import ray
     import torch
 
+    from ingest.tokenizer.offline import build_offline_model_dir
     from tools.bench import geo3k_files
     from tools.session import cache_dir, start_local_ray
-    from ingest.tokenizer.offline import build_offline_model_dir
 
     model = str(build_offline_model_dir())
     files = geo3k_files(cache_dir(work_dir), rows)

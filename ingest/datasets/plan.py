@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ingest.config import DataConfig, StageContext
 from ingest.errors import ModelLoadError, SourceError
-from ingest.read.files import FileInfo, printable_path, expand_files, inspect_files, reads_as_pil_images, unify_schemas
+from ingest.read.files import FileInfo, expand_files, inspect_files, printable_path, reads_as_pil_images, unify_schemas
 from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
 
 FilesArg = str | os.PathLike | Sequence[str | os.PathLike]

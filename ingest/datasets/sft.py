@@ -28,7 +28,7 @@ from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, plan_input
 from ingest.datasets.pools import map_on_pool, read_units_into_pool
 from ingest.errors import SourceError
-from ingest.read.files import printable_path, expand_files, inspect_files
+from ingest.read.files import expand_files, inspect_files, printable_path
 from ingest.sft.tokenizers import HFChatTokenizer, is_processor_object, is_tokenizer_object
 from ingest.stages.sft import NO_TARGET_POLICIES
 from ingest.tokenizer.chat import ChatTokenizer

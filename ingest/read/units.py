@@ -27,7 +27,15 @@ from ray.data.datasource import Datasource, ReadTask
 from ingest.accounting import BatchCounts, report_counts
 from ingest.blocks import FILE_COLUMN, ROW_COLUMN
 from ingest.errors import SourceError, StoreError
-from ingest.read.files import FileInfo, printable_path, redacted_failure, check_no_pickles, conform, open_parquet, store_failed
+from ingest.read.files import (
+    FileInfo,
+    check_no_pickles,
+    conform,
+    open_parquet,
+    printable_path,
+    redacted_failure,
+    store_failed,
+)
 
 MAX_SLICES_PER_ROW_GROUP = 16
 

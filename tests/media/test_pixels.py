@@ -112,8 +112,8 @@ def test_block_images_go_to_the_device_in_one_copy(geo3k_files, model_dir):
     """Images that view one buffer become views of one uploaded tensor (one transfer per batch); others, and
     tensors already on the device, go as they are. A decoded block's images are such views."""
     from ingest.blocks import rgb_arrays
-    from tools.vision_bench import decoded_blocks
     from ingest.media.pixels import _shared_span, device_images
+    from tools.vision_bench import decoded_blocks
 
     rgbs = sample_rgbs()
     buffer = np.concatenate([rgb.reshape(-1) for rgb in rgbs])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.samples import make_video_file
 from ingest.media.video import (
     decode_video_file,
     frame_indices,
@@ -17,6 +16,7 @@ from ingest.media.video import (
     video_size,
 )
 from tests.support.media import needs_torchcodec
+from tools.samples import make_video_file
 
 
 def test_sampling_rules_match_fetch_video():

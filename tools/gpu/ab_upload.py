@@ -13,8 +13,8 @@ import ray
 
 sys.path.insert(0, os.getcwd())
 from ingest.config import DataConfig
-from tools.vision_bench import CPU_POOL, decoded_blocks, image_count, shared_gpu_pool, time_pool  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
+from tools.vision_bench import CPU_POOL, decoded_blocks, image_count, shared_gpu_pool, time_pool  # noqa: E402
 
 
 @ray.remote

@@ -15,10 +15,10 @@ here = ROOT / ".gpu"  # what tools/gpu/prepare.sh made
 sys.path.insert(0, str(ROOT))
 
 from ingest import build_dataset  # noqa: E402
-from tools.gpu.fingerprint import PIXEL_KEYS, fingerprint, levels  # noqa: E402
 from ingest.media.pixels import ImagePixels  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
 from tests.support.batches import collect  # noqa: E402
+from tools.gpu.fingerprint import PIXEL_KEYS, fingerprint, levels  # noqa: E402
 
 BATCH = 8
 model = str(build_offline_model_dir())

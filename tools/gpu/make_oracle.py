@@ -10,10 +10,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fingerprint import fingerprint  # noqa: E402
 
-from tools.oracle import run_verl  # noqa: E402
-from tools.samples import write_geo3k_parquet  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
 from tests.test_parity_multimodal import BATCH, CONFIGS  # noqa: E402
+from tools.oracle import run_verl  # noqa: E402
+from tools.samples import write_geo3k_parquet  # noqa: E402
 
 here = ROOT / ".gpu"
 model = str(build_offline_model_dir())

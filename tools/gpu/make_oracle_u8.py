@@ -7,11 +7,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from tools.gpu.fingerprint import levels  # noqa: E402
-from tools.oracle import run_verl  # noqa: E402
 from ingest.media.pixels import ImagePixels  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
 from tests.test_parity_multimodal import BATCH, CONFIGS  # noqa: E402
+from tools.gpu.fingerprint import levels  # noqa: E402
+from tools.oracle import run_verl  # noqa: E402
 
 here = ROOT / ".gpu"
 model = str(build_offline_model_dir())

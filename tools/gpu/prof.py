@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, os.getcwd())
 import ingest.media.pixels as P  # noqa: E402
 from ingest.config import DataConfig  # noqa: E402
-from tools.vision_bench import decoded_blocks, image_count  # noqa: E402
 from ingest.stages.vision import VisionStage  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
+from tools.vision_bench import decoded_blocks, image_count  # noqa: E402
 
 DEV = os.environ.get("PROF_DEVICE", "cuda")
 sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)

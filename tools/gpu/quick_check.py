@@ -14,9 +14,9 @@ sys.path.insert(0, os.getcwd())
 import ingest.media.pixels as P  # noqa: E402
 from ingest.blocks import tensor_from_record  # noqa: E402
 from ingest.config import DataConfig
-from tools.vision_bench import decoded_blocks  # noqa: E402
 from ingest.stages.vision import VisionStage  # noqa: E402
 from ingest.tokenizer.offline import build_offline_model_dir  # noqa: E402
+from tools.vision_bench import decoded_blocks  # noqa: E402
 
 model = str(build_offline_model_dir())
 blocks = decoded_blocks(sorted(glob.glob(sys.argv[1] + "/*.parquet"))[:2], model)

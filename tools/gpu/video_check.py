@@ -15,8 +15,8 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from tools.samples import make_video_file  # noqa: E402
 from ingest.media.video import decode_video_file, probe_video, torchcodec_error  # noqa: E402
+from tools.samples import make_video_file  # noqa: E402
 
 DEVICE = os.environ.get("VIDEO_CHECK_DEVICE", "cuda")
 # (frames, width, height, fps): the parity test's sizes, a width that is no multiple of 16, then larger clips
