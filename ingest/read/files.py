@@ -99,7 +99,9 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike], storage
         except SourceError:
             raise
         except Exception as exc:  # permissions, bad endpoint, unreachable namenode, ...
-            raise SourceError(redacted_failure("cannot list", exc, entry, storage_options), file=printable_path(entry)) from None
+            raise SourceError(
+                redacted_failure("cannot list", exc, entry, storage_options), file=printable_path(entry)
+            ) from None
         out.extend(p if p == entry else _qualify(entry, protocol, p) for p in found)
     duplicates = sorted({p for p in out if out.count(p) > 1})
     if duplicates:
@@ -156,12 +158,16 @@ def open_parquet(path: str, storage_options: dict | None = None) -> pq.ParquetFi
     try:
         handle = _TrackedFile(filesystem_for(path, storage_options).open(path, "rb"))
     except Exception as exc:
-        raise StoreError(redacted_failure("cannot open", exc, path, storage_options), file=printable_path(path)) from None
+        raise StoreError(
+            redacted_failure("cannot open", exc, path, storage_options), file=printable_path(path)
+        ) from None
     try:
         pf = pq.ParquetFile(handle)
     except Exception as exc:
         error = StoreError if handle.failure is not None else SourceError
-        raise error(redacted_failure("cannot read as Parquet", exc, path, storage_options), file=printable_path(path)) from None
+        raise error(
+            redacted_failure("cannot read as Parquet", exc, path, storage_options), file=printable_path(path)
+        ) from None
     pf._ingest_handle = handle
     return pf
 
