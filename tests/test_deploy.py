@@ -318,7 +318,7 @@ def test_dockerfile_installs_the_pinned_stack_and_the_package():
         assert package.split(".")[0] in copied, f"package {package} is not copied into the image"
     assert meta["project"]["readme"] in copied and "pyproject.toml" in copied and "requirements/main.txt" in copied
     shipped = meta["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert "tools" not in copied and not any(p.split(".")[0] == "tools" for p in shipped)  # dev tooling ships in neither
+    assert "tools" not in copied and not any(p.split(".")[0] == "tools" for p in shipped)  # dev tooling: in neither
 
     # requirements/main.txt (what the image installs) satisfies pyproject's ranges
     ranges = {Requirement(d).name: Requirement(d).specifier for d in meta["project"]["dependencies"]}
