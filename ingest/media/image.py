@@ -10,6 +10,10 @@ import struct
 import numpy as np
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# APNG's chunks: PIL takes the first frame's region and data from them, which neither libspng nor the checks here read
+_ANIMATION_CHUNKS = (b"acTL", b"fcTL", b"fdAT")
+# deflate's largest ratio (a 258-byte match in two bits): a stream shorter than 1 / 1032 of the size cannot fill it
+_DEFLATE_MAX_RATIO = 1032
 
 
 def image_source(value) -> tuple[bytes | None, str | None]:
@@ -106,8 +110,9 @@ def stored_png(data: bytes) -> bytes | None:
     images) and stored back uncompressed: one ``IDAT`` chunk holding stored deflate blocks, every other chunk as it was.
     A PNG decoder (libspng, PIL) then copies the data and only unfilters it: the same pixels (PNG is lossless) for less
     CPU than inflating with zlib (docs/design.md). None, and the decoder gets ``data`` itself (and accepts or rejects it
-    as it would), where ``deflate`` is missing, the image is interlaced, an ``IDAT`` chunk's CRC is wrong, or the data
-    does not inflate (checksum included) to exactly the size the header gives."""
+    as it would), where ``deflate`` is missing, the image is interlaced or animated (APNG), has a second header, an
+    ``IDAT`` chunk's CRC is wrong, or the data does not inflate (checksum included) to exactly the size the header
+    gives."""
     inflated = _inflated_png(data)
     return None if inflated is None else _stored(data, *inflated)
 
@@ -153,10 +158,15 @@ def _inflated_png(data: bytes) -> tuple[bytes, int, int] | None:
                 return None
             pieces.append(view[position + 8 : end - 4])
             first, last = first or position, end
+        elif kind in _ANIMATION_CHUNKS or (kind == b"IHDR" and position > 8):  # PIL takes the last IHDR: unread here
+            return None
         elif kind == b"IEND" or end > len(data):
             break
         position = end
     if first is None:
+        return None
+    compressed = sum(len(piece) for piece in pieces)
+    if size > _DEFLATE_MAX_RATIO * compressed:  # a header claiming more than the data can hold: allocate nothing
         return None
     try:
         raw = deflate.zlib_decompress(b"".join(pieces), size)
@@ -189,7 +199,9 @@ def _sound_png_decodes(data: bytes, image, raw: bytes, first: int, last: int) ->
 def plain_png(data: bytes) -> bool:
     """An 8-bit RGB or RGBA PNG with nothing but image data from its first ``IDAT`` to ``IEND``: there libspng's RGB8
     output is PIL's ``convert("RGB")`` (lossless decode; alpha dropped, no gamma applied) and PIL's header parse has
-    all of the image's ``info`` (PIL adds text and EXIF chunks found after the image data only while loading it)."""
+    all of the image's ``info`` (PIL adds text and EXIF chunks found after the image data only while loading it). Not
+    an APNG (PIL's first frame follows its frame control chunks, which libspng ignores), nor a file with a second
+    ``IHDR`` (PIL takes the last)."""
     if data[:8] != _PNG_SIGNATURE or data[12:16] != b"IHDR" or len(data) < 33:
         return False
     if data[24] != 8 or data[25] not in (2, 6):  # bit depth 8; color type RGB or RGBA
@@ -199,6 +211,8 @@ def plain_png(data: bytes) -> bool:
         length, kind = struct.unpack_from(">I4s", data, position)
         if kind == b"IEND":
             return seen_data
+        if kind in _ANIMATION_CHUNKS or (kind == b"IHDR" and position > 8):
+            return False
         if kind == b"IDAT":
             seen_data = True
         elif seen_data:
