@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, processed_row, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, processed_row
 from ingest.blocks import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
@@ -25,9 +25,9 @@ from ingest.blocks import (
     tensor_record,
 )
 from ingest.config import DataConfig, StageContext
-from ingest.errors import BadRowError
 from ingest.media.image import decode_rgb, deferrable_jpeg
 from ingest.media.video import decode_video_frames
+from ingest.stages.bad_rows import BadRows
 
 
 class DecodeStage:
@@ -79,25 +79,24 @@ class DecodeStage:
         plans = table.column(VIDEO_PLANS_COLUMN).to_pylist() if has_plans else [None] * table.num_rows
         images: list = [None] * table.num_rows
         frames: list = [None] * table.num_rows
-        bad: dict[int, BadRowError] = {}
+        bad = BadRows(self.files, table)
         for i in range(table.num_rows):
             try:
                 images[i] = None if encoded[i] is None else [self._decode(data) for data in encoded[i]]
             except Exception as exc:
-                bad[i] = self._error(table, i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
+                bad.add(i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
                 continue
             try:
                 frames[i] = None if plans[i] is None else [self._frames(plan) for plan in plans[i]]
             except Exception as exc:
-                bad[i] = self._error(table, i, f"bad video: {type(exc).__name__}: {exc}", self.video_key)
-        if bad and self.on_bad_row == "raise":
-            raise bad[min(bad)]
-        kept = [i for i in range(table.num_rows) if i not in bad]
+                bad.add(i, f"bad video: {type(exc).__name__}: {exc}", self.video_key)
+        bad.raise_first(self.on_bad_row)
+        kept = bad.kept()
         # rows with media left to the vision stage can still turn out bad there: that stage counts them
         counted = [i for i in kept if not _hasdeferred_values(images[i], frames[i])]
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
-        quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
+        quarantine = bad.quarantine(processed_row)
         if self.count_only:
             return StageResult(provenance_rows(table, kept), counts, quarantine)
         if bad:
@@ -127,9 +126,6 @@ class DecodeStage:
             return {**_frame_fields(plan), "frames": None, "deferred": deferred}
         record = _sampled_frames(plan)
         return {**record, "deferred": None} if self.defer_video else record
-
-    def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
-        return row_error(self.files, table, i, reason, column)
 
     def _drop_internal(self, table: pa.Table) -> pa.Table:
         if self.defers:  # the vision stage locates, counts and then drops them (drop_internal_columns)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record, row_error, row_location
+from ingest.accounting import BatchCounts, StageResult, row_location
 from ingest.blocks import TENSOR_STRUCT, tensor_record
 from ingest.config import DataConfig, StageContext
 from ingest.errors import BadRowError
@@ -37,6 +37,7 @@ from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft.data import RenderedConversation, SFTRenderError, TrainingSequence
 from ingest.sft.sample import build_training_sample, conversation_problem
 from ingest.sft.sequence import pack, shift_and_truncate
+from ingest.stages.bad_rows import BadRows
 
 TOOLS_COLUMN = "tools"
 IMAGE_BYTES_COLUMN = "_sft_image_bytes"  # encoded images of the row, in stream order (for the vision stage)
@@ -165,9 +166,6 @@ class SFTRenderStage:
         limits = [x for x in (config.sft_max_length, budget if budget > 0 else None) if x is not None]
         self.max_length = min(limits) if limits else None
 
-    def _error(self, table: pa.Table, i: int, reason: str, column: str) -> BadRowError:
-        return row_error(self.files, table, i, reason, column)
-
     def _columns(self, table: pa.Table) -> dict[str, list | None]:
         cfg = self.config
         names = set(table.column_names)
@@ -210,7 +208,7 @@ class SFTRenderStage:
         cfg = self.config
         n = table.num_rows
         cols = self._columns(table)
-        bad: dict[int, BadRowError] = {}
+        bad = BadRows(self.files, table)
         sequences: list[TrainingSequence] = []
         filtered = no_target = 0
         for i in range(n):
@@ -237,7 +235,7 @@ class SFTRenderStage:
                     ]
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, SFTRenderError) else f"bad value: {type(exc).__name__}: {exc}"
-                bad[i] = self._error(table, i, reason, step)
+                bad.add(i, reason, step)
                 continue
             if images is not None or videos is not None:
                 _split_media_markers(messages)
@@ -254,7 +252,7 @@ class SFTRenderStage:
                     content_sft_roles=self.content_sft_roles,
                 )
             except SFTRenderError as exc:
-                bad[i] = self._error(table, i, str(exc), _blame(str(exc), conversation_column, cfg))
+                bad.add(i, str(exc), _blame(str(exc), conversation_column, cfg))
                 continue
             sequence = shift_and_truncate(sample, self.max_length)
             if not sequence.inputs:
@@ -266,8 +264,7 @@ class SFTRenderStage:
                 no_target += 1
                 continue
             sequences.append(sequence)
-        if bad and cfg.on_bad_row == "raise":
-            raise bad[min(bad)]
+        bad.raise_first(cfg.on_bad_row)
         counts = BatchCounts(
             rows_in=n,
             rows_out=len(sequences),
@@ -276,10 +273,9 @@ class SFTRenderStage:
             prompt_tokens=sum(len(s.inputs) for s in sequences),
             dropped_no_target=no_target,
         )
-        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
         budget = cfg.sft_pack_token_budget
         rows = pack(sequences, budget) if budget > 0 else sequences
-        return StageResult(self.rows_table(rows), counts, quarantine)
+        return StageResult(self.rows_table(rows), counts, bad.quarantine())
 
     def rows_table(self, rows: Sequence[TrainingSequence]) -> pa.Table:
         columns = {

@@ -11,11 +11,12 @@ runs before any pixel work and nothing is processed twice. Overlong rows are dro
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, input_row, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, row_error
 from ingest.blocks import (
     GRIDS_TYPE,
     IMAGE_GRIDS_COLUMN,
@@ -47,7 +48,27 @@ from ingest.media.video import PATCH_SIZE, VideoPlan, probe_video
 from ingest.rowformat.messages import build_messages, validate_messages
 from ingest.rowformat.rope import rope_position_ids, with_text_positions
 from ingest.rowformat.text import extra_info_columns, flatten_ids, list_column, pad_flat, tensor_column, truncate
+from ingest.stages.bad_rows import BadRows
+from ingest.stages.invalid_values import invalid_value_rows, readable_row
 from ingest.tokenizer.chat import ChatTokenizer
+
+
+@dataclass(slots=True)
+class PromptRow:
+    """One prompt through the tokenize stage: what its checks, template, media headers and encode made of it. A bad
+    row keeps what was made before it went bad (it is dropped before its columns are built)."""
+
+    text: str = ""  # the rendered chat template (verl's full_prompts)
+    messages: list | None = None  # the messages rendered (verl's raw_prompt)
+    media_bytes: list[bytes] | None = None  # encoded images; None where verl has no image key (no column, or null)
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+    video_plans: list[VideoPlan] | None = None  # None where verl has no video key
+    video_grids: list[tuple[int, int, int]] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the template's ids (raw_prompt_ids before truncation)
+    # the ids the processor tokenizes before pad expansion, and the grids their video pads expand by: ``ids`` and
+    # ``video_grids`` but for Qwen3-VL videos (``PromptTokenizeStage._timestamp_videos``)
+    model_ids: list[int] = field(default_factory=list)
+    video_token_grids: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class PromptTokenizeStage:
@@ -97,205 +118,140 @@ class PromptTokenizeStage:
         # Qwen3-VL's processor writes each video's frames out with a timestamp before each one (verl 0.6's ids)
         self.timestamps_videos = vision is not None and vision.timestamps_videos
 
-    def _error(self, table: pa.Table, i: int, reason: str, column: str | None = None) -> BadRowError:
-        return row_error(self.files, table, i, reason, column or self.config.prompt_key)
+    def _error(self, table: pa.Table, i: int, reason: str) -> BadRowError:
+        """The error a whole batch raises at row ``i`` (no prompt column, an overlong prompt under
+        ``truncation='error'``): it names the prompt column."""
+        return row_error(self.files, table, i, reason, self.config.prompt_key)
 
     def __call__(self, table: pa.Table) -> StageResult:
-        invalid = self._invalid_values(table)
+        invalid = invalid_value_rows(self.files, table)
         if not invalid:
             return self._process(table)
-        # Rows holding bytes that are not valid UTF-8 in a string column (Parquet does not check): Python cannot
-        # read them (verl's HF dataset raises UnicodeDecodeError), so they are bad rows; the others go on as usual.
-        if self.config.on_bad_row == "raise":
-            raise invalid[min(invalid)]
-        valid = [i for i in range(table.num_rows) if i not in invalid]
-        result = self._process(table.take(pa.array(valid, pa.int64())))
-        records = [
-            quarantine_record(err, input_row(table, i) or _lossy_row_dict(table, i)) for i, err in invalid.items()
-        ]
+        # rows Python cannot read are bad rows; the others go on as usual
+        invalid.raise_first(self.config.on_bad_row)
+        result = self._process(table.take(pa.array(invalid.kept(), pa.int64())))
+        records = invalid.quarantine(readable_row)
         position = {table.column(ROW_COLUMN)[i].as_py(): i for i in range(table.num_rows)}
         result.quarantine = sorted(result.quarantine + records, key=lambda r: position[r["row"]])
         result.counts.rows_in += len(invalid)
         result.counts.quarantined += len(invalid)
         return result
 
-    def _invalid_values(self, table: pa.Table) -> dict[int, BadRowError]:
-        """Rows with values Arrow's full validation rejects (in practice: string bytes that are not UTF-8)."""
-        try:
-            table.validate(full=True)  # cheap next to tokenizing the batch
-            return {}
-        except pa.ArrowInvalid:
-            pass
-        bad: dict[int, BadRowError] = {}
-        for name in table.column_names:
-            column = table.column(name)
-            try:
-                column.validate(full=True)
-                continue
-            except pa.ArrowInvalid:
-                pass
-            for i in range(table.num_rows):
-                if i in bad:
-                    continue
-                try:
-                    column.take([i]).validate(full=True)  # take, not slice: a sliced list keeps all its children
-                except pa.ArrowInvalid as exc:
-                    what = "text that is not valid UTF-8" if "UTF8" in str(exc) else "an invalid value"
-                    bad[i] = self._error(table, i, f"{what} ({exc})", name)
-        return bad
-
     def _process(self, table: pa.Table) -> StageResult:
         cfg = self.config
-        n = table.num_rows
         if cfg.prompt_key not in table.column_names:
             raise self._error(table, 0, f"no prompt column (columns: {', '.join(table.column_names)})")
         has_media = cfg.image_key in table.column_names or cfg.video_key in table.column_names
-        prompts = table.column(cfg.prompt_key).to_pylist()
-        images = self._media_column(table, cfg.image_key)
-        videos = self._media_column(table, cfg.video_key)
-        bad: dict[int, BadRowError] = {}
-        texts: list[str] = [""] * n
-        messages_out: list = [None] * n
-        # None where verl has no such key in multi_modal_data (no column, or a null value)
-        media_bytes: list[list[bytes] | None] = [None] * n
-        grids: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-        video_plans: list[list[VideoPlan] | None] = [None] * n
-        video_grids: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-        for i, messages in enumerate(prompts):
-            problem = validate_messages(messages)
-            if problem is not None:
-                bad[i] = self._error(table, i, problem)
-                continue
-            try:
-                messages = build_messages(messages, has_media_column=has_media)
-                texts[i] = self.tokenizer.render(messages, **self.template_kwargs)
-                messages_out[i] = messages
-            except Exception as exc:
-                bad[i] = self._error(table, i, f"chat template failed: {type(exc).__name__}: {exc}")
-                continue
-            if images is not None and images[i] is not None:
-                try:
-                    media_bytes[i] = []
-                    for value in images[i]:
-                        data = read_image_bytes(value, cfg.storage_options)
-                        width, height = image_size(data)
-                        media_bytes[i].append(data)
-                        grids[i].append(image_grid(width, height, self.vision))
-                except Exception as exc:
-                    reason = redact(f"bad image: {type(exc).__name__}: {exc}", self._secrets)
-                    bad[i] = self._error(table, i, reason, cfg.image_key)
-                    continue
-            if videos is not None and videos[i] is not None:
-                try:
-                    video_plans[i] = [
-                        probe_video(value, cfg.storage_options, self.video_patch_size) for value in videos[i]
-                    ]
-                    video_grids[i] = [video_grid(p.nframes, p.height, p.width, self.vision) for p in video_plans[i]]
-                except Exception as exc:
-                    reason = redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets)
-                    bad[i] = self._error(table, i, reason, cfg.video_key)
-
-        if self.count_only and not self.filter_tools:  # only the filter's decision is needed, not the ids
-            ids = self._ids_unless_short(texts)
-        else:
-            ids = self.tokenizer.encode_batch(texts)
-        model_ids, video_token_grids = self._timestamped_ids(texts, ids, video_plans, video_grids, bad)
-        expanded_lengths = np.zeros(n, dtype=np.int64)
-        for i, row_ids in enumerate(ids):
-            extra = 0
-            if self.vision is not None and i not in bad:
-                placeholders = row_ids.count(self.image_pad_id)
-                if placeholders != len(grids[i]):
-                    bad[i] = self._error(
-                        table, i, f"{placeholders} <image> placeholders for {len(grids[i])} images", cfg.image_key
-                    )
-                    continue
-                placeholders = row_ids.count(self.video_pad_id)
-                if placeholders != len(video_grids[i]):
-                    reason = f"{placeholders} <video> placeholders for {len(video_grids[i])} videos"
-                    bad[i] = self._error(table, i, reason, cfg.video_key)
-                    continue
-                extra = sum(grid_tokens(g, self.vision) - 1 for g in grids[i] + video_token_grids[i])
-            expanded_lengths[i] = len(model_ids[i]) + extra
-
-        max_len = cfg.max_prompt_length
+        bad = BadRows(self.files, table, cfg.prompt_key)
+        rows = self._prompt_rows(table, has_media, bad)
+        self._encode(rows, bad)
+        lengths = self._expanded_lengths(rows, bad)
         if self.vision is not None and not cfg.filter_overlong_prompts and cfg.truncation != "error":
-            for i in np.flatnonzero(expanded_lengths > max_len).tolist():
-                if self._truncation_cuts_media(model_ids[i], grids[i], video_token_grids[i]):
-                    column = cfg.image_key if grids[i] else cfg.video_key
-                    reason = (
-                        f"truncation={cfg.truncation!r} to max_prompt_length={max_len} cuts into the image / video "
-                        f"tokens of a {expanded_lengths[i]}-token prompt: its ids would not match its pixels "
-                        "(raise max_prompt_length or set data.filter_overlong_prompts=true)"
-                    )
-                    bad[i] = self._error(table, i, reason, column)
-        if bad and cfg.on_bad_row == "raise":
-            raise bad[min(bad)]
-        valid = np.ones(n, dtype=bool)
-        valid[list(bad)] = False
-        overlong = valid & (expanded_lengths > max_len)
-        if cfg.filter_overlong_prompts:  # verl's filter measures the prompt with the tool schemas, if any
-            measured = expanded_lengths + self._tool_tokens(messages_out, ids, valid)
-            keep = valid & (measured <= max_len)
-        else:
-            keep = valid
-        if cfg.truncation == "error":
-            over = np.flatnonzero(keep & overlong)
-            if over.size:
-                i = int(over[0])
-                raise self._error(
-                    table,
-                    i,
-                    f"prompt is {expanded_lengths[i]} tokens, longer than max_prompt_length={max_len} with "
-                    "truncation='error' (set data.truncation to left/right/middle or "
-                    "data.filter_overlong_prompts=true)",
-                )
-        counts, quarantine, kept = self._account(table, bad, valid, keep, expanded_lengths)
+            self._check_truncation_keeps_media(rows, lengths, bad)
+        bad.raise_first(cfg.on_bad_row)
+        valid = bad.good()
+        keep = self._kept_by_length(table, rows, lengths, valid)
+        counts, quarantine, kept = self._account(table, bad, valid, keep, lengths)
         if self.count_only:
-            rows = self._counted(table, kept, media_bytes, expanded_lengths, video_plans)
-            return StageResult(rows, counts, quarantine)
-        if len(kept) != n:
+            media_bytes, video_plans = [r.media_bytes for r in rows], [r.video_plans for r in rows]
+            return StageResult(self._counted(table, kept, media_bytes, lengths, video_plans), counts, quarantine)
+        if len(kept) != table.num_rows:
             # take only what the output keeps: the nested prompt / media columns are the costly ones to copy
             unused = {cfg.image_key, cfg.video_key} if self.vision is not None else set()
             if has_media or not cfg.return_raw_chat:
                 unused.add(cfg.prompt_key)
             table = table.drop_columns([c for c in table.column_names if c in unused]).take(kept)
-        rows = self._rows(
-            table,
-            [ids[i] for i in kept],
-            [model_ids[i] for i in kept],
-            [texts[i] for i in kept],
-            [messages_out[i] for i in kept],
-            [media_bytes[i] for i in kept],
-            [grids[i] for i in kept],
-            [video_plans[i] for i in kept],
-            [video_grids[i] for i in kept],
-            [video_token_grids[i] for i in kept],
-            has_media,
-            expanded_lengths[kept],
-        )
-        return StageResult(rows, counts, quarantine)
+        return StageResult(self._rows(table, [rows[i] for i in kept], has_media, lengths[kept]), counts, quarantine)
 
-    def _timestamped_ids(
-        self, texts: list[str], ids: list[list[int]], video_plans: list, video_grids: list, bad: dict
-    ) -> tuple[list[list[int]], list[list[tuple[int, int, int]]]]:
-        """The ids the processor tokenizes before pad expansion, and the grids their video pads expand by.
+    def _prompt_rows(self, table: pa.Table, has_media: bool, bad: BadRows) -> list[PromptRow]:
+        """Every row's ``PromptRow`` up to its ids: messages, template, media headers (a bad row's as far as it got)."""
+        cfg = self.config
+        prompts = table.column(cfg.prompt_key).to_pylist()
+        images = self._media_column(table, cfg.image_key)
+        videos = self._media_column(table, cfg.video_key)
+        return [
+            self._prompt_row(
+                i,
+                messages,
+                None if images is None else images[i],
+                None if videos is None else videos[i],
+                has_media,
+                bad,
+            )
+            for i, messages in enumerate(prompts)
+        ]
 
-        Without Qwen3-VL videos these are ``ids`` and ``video_grids``. A Qwen3-VL video is written out per temporal
-        patch (``<t seconds>``, vision start, one pad, vision end; its processor's text), so its pads expand by
-        (1, h, w) grids, one per temporal patch: verl 0.6's Qwen3-VL rope index splits the grids the same way."""
-        rows = [i for i, plans in enumerate(video_plans) if plans and i not in bad] if self.timestamps_videos else []
+    def _prompt_row(
+        self, i: int, messages, images: list | None, videos: list | None, has_media: bool, bad: BadRows
+    ) -> PromptRow:
+        """Row ``i``'s messages, rendered template and media headers; where one fails the row goes into ``bad``."""
+        row = PromptRow()
+        problem = validate_messages(messages)
+        if problem is not None:
+            bad.add(i, problem)
+            return row
+        try:
+            messages = build_messages(messages, has_media_column=has_media)
+            row.text = self.tokenizer.render(messages, **self.template_kwargs)
+            row.messages = messages
+        except Exception as exc:
+            bad.add(i, f"chat template failed: {type(exc).__name__}: {exc}")
+            return row
+        if images is not None:
+            try:
+                self._read_images(row, images)
+            except Exception as exc:
+                bad.add(i, redact(f"bad image: {type(exc).__name__}: {exc}", self._secrets), self.config.image_key)
+                return row
+        if videos is not None:
+            try:
+                self._probe_videos(row, videos)
+            except Exception as exc:
+                bad.add(i, redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets), self.config.video_key)
+        return row
+
+    def _read_images(self, row: PromptRow, images: list) -> None:
+        """The row's encoded images and their grids, from the image headers (no pixel work)."""
+        row.media_bytes = []
+        for value in images:
+            data = read_image_bytes(value, self.config.storage_options)
+            width, height = image_size(data)
+            row.media_bytes.append(data)
+            row.image_grids.append(image_grid(width, height, self.vision))
+
+    def _probe_videos(self, row: PromptRow, videos: list) -> None:
+        """The row's video plans (the frames to sample) and their grids, from the container headers."""
+        row.video_plans = [probe_video(value, self.config.storage_options, self.video_patch_size) for value in videos]
+        row.video_grids = [video_grid(p.nframes, p.height, p.width, self.vision) for p in row.video_plans]
+
+    def _encode(self, rows: list[PromptRow], bad: BadRows) -> None:
+        """Every row's ids, in one batched encode, and the ids the processor tokenizes (``_timestamp_videos``)."""
+        texts = [row.text for row in rows]
+        if self.count_only and not self.filter_tools:  # only the filter's decision is needed, not the ids
+            ids = self._ids_unless_short(texts)
+        else:
+            ids = self.tokenizer.encode_batch(texts)
+        for row, row_ids in zip(rows, ids, strict=True):
+            row.ids = row.model_ids = row_ids
+            row.video_token_grids = row.video_grids
+        if self.timestamps_videos:
+            self._timestamp_videos([row for i, row in enumerate(rows) if row.video_plans and i not in bad])
+
+    def _timestamp_videos(self, rows: list[PromptRow]) -> None:
+        """The ids and video grids of Qwen3-VL video rows as its processor tokenizes them.
+
+        A Qwen3-VL video is written out per temporal patch (``<t seconds>``, vision start, one pad, vision end; its
+        processor's text), so its pads expand by (1, h, w) grids, one per temporal patch: verl 0.6's Qwen3-VL rope
+        index splits the grids the same way."""
         if not rows:
-            return ids, video_grids
-        model_ids, token_grids = list(ids), list(video_grids)
+            return
         written = []
-        for i in rows:
-            metadata = [p.metadata for p in video_plans[i]]
-            written.append(timestamped_video_text(texts[i], video_grids[i], metadata, self.vision))
-            token_grids[i] = [(1, h, w) for t, h, w in video_grids[i] for _ in range(t)]
-        for i, row_ids in zip(rows, self.tokenizer.encode_batch(written), strict=True):
-            model_ids[i] = row_ids
-        return model_ids, token_grids
+        for row in rows:
+            metadata = [p.metadata for p in row.video_plans]
+            written.append(timestamped_video_text(row.text, row.video_grids, metadata, self.vision))
+            row.video_token_grids = [(1, h, w) for t, h, w in row.video_grids for _ in range(t)]
+        for row, row_ids in zip(rows, self.tokenizer.encode_batch(written), strict=True):
+            row.model_ids = row_ids
 
     def _ids_unless_short(self, texts: list[str]) -> list[list[int]]:
         """The ids of every text prompt but those known to be at most ``max_prompt_length`` ids without encoding them
@@ -310,16 +266,83 @@ class PromptTokenizeStage:
             ids[i] = row_ids
         return ids
 
-    def _account(self, table: pa.Table, bad: dict, valid, keep, lengths) -> tuple[BatchCounts, list, np.ndarray]:
+    def _expanded_lengths(self, rows: list[PromptRow], bad: BadRows) -> np.ndarray:
+        """Each prompt's length in model ids with every image / video pad expanded by its grid. On the processor
+        path a row whose pads do not match its media goes into ``bad``; a bad row counts its ids alone."""
+        if self.vision is None:
+            return np.fromiter((len(row.model_ids) for row in rows), dtype=np.int64, count=len(rows))
+        lengths = np.zeros(len(rows), dtype=np.int64)
+        for i, row in enumerate(rows):
+            if i in bad:
+                lengths[i] = len(row.model_ids)
+                continue
+            mismatch = self._placeholder_mismatch(row)
+            if mismatch is not None:
+                bad.add(i, *mismatch)
+                continue
+            pads = row.image_grids + row.video_token_grids
+            lengths[i] = len(row.model_ids) + sum(grid_tokens(g, self.vision) - 1 for g in pads)
+        return lengths
+
+    def _placeholder_mismatch(self, row: PromptRow) -> tuple[str, str] | None:
+        """(reason, column) where the prompt's image or video pads are not one per image or video, else None."""
+        placeholders = row.ids.count(self.image_pad_id)
+        if placeholders != len(row.image_grids):
+            return f"{placeholders} <image> placeholders for {len(row.image_grids)} images", self.config.image_key
+        placeholders = row.ids.count(self.video_pad_id)
+        if placeholders != len(row.video_grids):
+            return f"{placeholders} <video> placeholders for {len(row.video_grids)} videos", self.config.video_key
+        return None
+
+    def _check_truncation_keeps_media(self, rows: list[PromptRow], lengths: np.ndarray, bad: BadRows) -> None:
+        """Overlong media prompts whose truncation would cut into their media tokens go into ``bad``."""
+        max_len, truncation = self.config.max_prompt_length, self.config.truncation
+        for i in np.flatnonzero(lengths > max_len).tolist():
+            row = rows[i]
+            if self._truncation_cuts_media(row.model_ids, row.image_grids, row.video_token_grids):
+                column = self.config.image_key if row.image_grids else self.config.video_key
+                reason = (
+                    f"truncation={truncation!r} to max_prompt_length={max_len} cuts into the image / video "
+                    f"tokens of a {lengths[i]}-token prompt: its ids would not match its pixels "
+                    "(raise max_prompt_length or set data.filter_overlong_prompts=true)"
+                )
+                bad.add(i, reason, column)
+
+    def _kept_by_length(
+        self, table: pa.Table, rows: list[PromptRow], lengths: np.ndarray, valid: np.ndarray
+    ) -> np.ndarray:
+        """The valid rows the overlong filter keeps (all of them with the filter off). With ``truncation='error'``
+        a kept overlong prompt raises, as in verl."""
+        cfg = self.config
+        max_len = cfg.max_prompt_length
+        if cfg.filter_overlong_prompts:  # verl's filter measures the prompt with the tool schemas, if any
+            keep = valid & (lengths + self._tool_tokens(rows, valid) <= max_len)
+        else:
+            keep = valid
+        if cfg.truncation == "error":
+            over = np.flatnonzero(keep & (lengths > max_len))
+            if over.size:
+                i = int(over[0])
+                raise self._error(
+                    table,
+                    i,
+                    f"prompt is {lengths[i]} tokens, longer than max_prompt_length={max_len} with "
+                    "truncation='error' (set data.truncation to left/right/middle or "
+                    "data.filter_overlong_prompts=true)",
+                )
+        return keep
+
+    def _account(
+        self, table: pa.Table, bad: BadRows, valid: np.ndarray, keep: np.ndarray, lengths: np.ndarray
+    ) -> tuple[BatchCounts, list, np.ndarray]:
         """A batch's counts, quarantine records and kept row positions. On the processor path the decode stage counts
         the rows out and their tokens (it may still drop a row)."""
         counts = BatchCounts(rows_in=table.num_rows, quarantined=len(bad), filtered_overlong=int((valid & ~keep).sum()))
-        quarantine = [quarantine_record(err, input_row(table, i)) for i, err in sorted(bad.items())]
         kept = np.flatnonzero(keep)
         if self.vision is None:
             counts.rows_out = len(kept)
             counts.prompt_tokens = int(lengths[kept].sum())
-        return counts, quarantine, kept
+        return counts, bad.quarantine(), kept
 
     def _counted(
         self, table: pa.Table, kept: np.ndarray, media_bytes: list, prompt_tokens: np.ndarray, video_plans: list | None
@@ -340,16 +363,16 @@ class PromptTokenizeStage:
     def _media_column(self, table: pa.Table, name: str) -> list | None:
         return table.column(name).to_pylist() if self.vision and name in table.column_names else None
 
-    def _tool_tokens(self, messages: list, ids: list[list[int]], valid: np.ndarray) -> np.ndarray:
+    def _tool_tokens(self, rows: list[PromptRow], valid: np.ndarray) -> np.ndarray:
         """What the tool schemas (``tool_config_path``) add to each valid prompt where verl's filter measures it: the
         prompt rendered with ``tools=`` and encoded, less its ids without them. Zeros without tools."""
-        extra = np.zeros(len(ids), dtype=np.int64)
+        extra = np.zeros(len(rows), dtype=np.int64)
         if not self.filter_tools:
             return extra
-        rows = np.flatnonzero(valid).tolist()
-        texts = [self.tokenizer.render(messages[i], **self.filter_template_kwargs) for i in rows]
-        for i, with_tools in zip(rows, self.tokenizer.encode_batch(texts), strict=True):
-            extra[i] = len(with_tools) - len(ids[i])
+        positions = np.flatnonzero(valid).tolist()
+        texts = [self.tokenizer.render(rows[i].messages, **self.filter_template_kwargs) for i in positions]
+        for i, with_tools in zip(positions, self.tokenizer.encode_batch(texts), strict=True):
+            extra[i] = len(with_tools) - len(rows[i].ids)
         return extra
 
     def _truncation_cuts_media(self, row_ids: list[int], image_grids: list, video_grids: list) -> bool:
@@ -375,71 +398,67 @@ class PromptTokenizeStage:
                 out.extend([token] * grid_tokens(next(grids), self.vision))
         return out
 
-    def _rows(
-        self,
-        table,
-        ids,
-        model_ids,
-        texts,
-        messages,
-        media_bytes,
-        grids,
-        video_plans,
-        video_grids,
-        video_token_grids,
-        has_media,
-        prompt_tokens,
-    ) -> pa.Table:
+    def _rows(self, table: pa.Table, rows: list[PromptRow], has_media: bool, prompt_tokens: np.ndarray) -> pa.Table:
+        """The verl rows of the kept prompts: ``table`` holds exactly those rows, ``rows`` their ``PromptRow``s."""
         cfg = self.config
-        raw_prompt_ids = [truncate(x, cfg.max_prompt_length, cfg.truncation) for x in ids]
-        tensors: dict[str, pa.Array] = {}
-        if self.vision is None:  # compact: the collate pads (rowformat.COMPACT_TEXT_COLUMNS)
-            n = len(raw_prompt_ids)
-            tensors[MAX_LENGTH_COLUMN] = pa.array(np.full(n, cfg.max_prompt_length, dtype=np.int32))
-            tensors[PAD_ID_COLUMN] = pa.array(np.full(n, self.tokenizer.pad_token_id, dtype=np.int64))
-        else:
-            expanded = [
-                truncate(self._expand(x, g, v), cfg.max_prompt_length, cfg.truncation)
-                for x, g, v in zip(model_ids, grids, video_token_grids, strict=True)
-            ]
-            flat, lengths = flatten_ids(expanded)
-            input_ids, attention_mask, position_ids = pad_flat(
-                flat, lengths, cfg.max_prompt_length, self.tokenizer.pad_token_id
-            )
-            if self.vision.is_qwen2_vl:
-                position_ids = self._rope_positions(input_ids, attention_mask, grids, video_token_grids)
-                if cfg.row_format == "verl-0.6":
-                    position_ids = with_text_positions(position_ids, attention_mask)
-            tensors["input_ids"] = tensor_column(input_ids)
-            tensors["attention_mask"] = tensor_column(attention_mask)
-            tensors["position_ids"] = tensor_column(position_ids)
-
-        # on the processor path the decode stage still needs the provenance (it names the file and row of bad media)
         keep_provenance = self.keep_provenance or self.vision is not None
+        # on the processor path the decode stage still needs the provenance (it names the file and row of bad media)
         drop = {cfg.prompt_key} | (set() if keep_provenance else set(PROVENANCE_COLUMNS))
         if self.vision is not None:
             drop |= {cfg.image_key, cfg.video_key}
         columns = {name: table.column(name) for name in table.column_names if name not in drop}
         if self.vision is not None:
-            columns[MEDIA_BYTES_COLUMN] = pa.array(media_bytes, type=pa.list_(pa.large_binary()))
-            columns[IMAGE_GRIDS_COLUMN] = pa.array(grids, type=GRIDS_TYPE)
-            plans = [None if p is None else [v.as_record() for v in p] for p in video_plans]
+            columns[MEDIA_BYTES_COLUMN] = pa.array([r.media_bytes for r in rows], type=pa.list_(pa.large_binary()))
+            columns[IMAGE_GRIDS_COLUMN] = pa.array([r.image_grids for r in rows], type=GRIDS_TYPE)
+            plans = [None if r.video_plans is None else [v.as_record() for v in r.video_plans] for r in rows]
             columns[VIDEO_PLANS_COLUMN] = pa.array(plans, type=pa.list_(VIDEO_PLAN_STRUCT))
-            columns[VIDEO_GRIDS_COLUMN] = pa.array(video_grids, type=GRIDS_TYPE)
+            columns[VIDEO_GRIDS_COLUMN] = pa.array([r.video_grids for r in rows], type=GRIDS_TYPE)
             columns[PROMPT_TOKENS_COLUMN] = pa.array(np.asarray(prompt_tokens, dtype=np.int64))
-        columns.update(tensors)
-        columns["raw_prompt_ids"] = list_column(raw_prompt_ids)
+        columns.update(self._id_tensors(rows))
+        columns["raw_prompt_ids"] = list_column([truncate(r.ids, cfg.max_prompt_length, cfg.truncation) for r in rows])
         if cfg.return_raw_chat:
             if has_media:  # content lists after the <image> split: JSON keeps their exact keys (no null fields)
-                columns["raw_prompt"] = pa.array([json.dumps(m, ensure_ascii=False) for m in messages], pa.string())
+                messages = [json.dumps(r.messages, ensure_ascii=False) for r in rows]
+                columns["raw_prompt"] = pa.array(messages, pa.string())
             else:
                 columns["raw_prompt"] = table.column(cfg.prompt_key)
         if cfg.return_full_prompt:
-            columns["full_prompts"] = pa.array(texts, type=pa.string())
+            columns["full_prompts"] = pa.array([r.text for r in rows], type=pa.string())
         columns.update(extra_info_columns(table))
         return pa.table(columns)
 
-    def _rope_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, grids, video_grids) -> np.ndarray:
+    def _id_tensors(self, rows: list[PromptRow]) -> dict[str, pa.Array]:
+        """The rows' id tensors. Text rows are compact (the collate pads them, ``rowformat.COMPACT_TEXT_COLUMNS``):
+        only the length and pad id to pad with. Media rows: ``input_ids`` with the pads expanded, truncated and left
+        padded, their attention mask and position ids (Qwen2-VL's rope index where the processor is one)."""
+        cfg = self.config
+        if self.vision is None:
+            n = len(rows)
+            return {
+                MAX_LENGTH_COLUMN: pa.array(np.full(n, cfg.max_prompt_length, dtype=np.int32)),
+                PAD_ID_COLUMN: pa.array(np.full(n, self.tokenizer.pad_token_id, dtype=np.int64)),
+            }
+        expanded = [
+            truncate(
+                self._expand(r.model_ids, r.image_grids, r.video_token_grids), cfg.max_prompt_length, cfg.truncation
+            )
+            for r in rows
+        ]
+        flat, lengths = flatten_ids(expanded)
+        input_ids, attention_mask, position_ids = pad_flat(
+            flat, lengths, cfg.max_prompt_length, self.tokenizer.pad_token_id
+        )
+        if self.vision.is_qwen2_vl:
+            position_ids = self._rope_positions(input_ids, attention_mask, rows)
+            if cfg.row_format == "verl-0.6":
+                position_ids = with_text_positions(position_ids, attention_mask)
+        return {
+            "input_ids": tensor_column(input_ids),
+            "attention_mask": tensor_column(attention_mask),
+            "position_ids": tensor_column(position_ids),
+        }
+
+    def _rope_positions(self, input_ids: np.ndarray, attention_mask: np.ndarray, rows: list[PromptRow]) -> np.ndarray:
         """(B, 3, M) Qwen2-VL rope position ids, row by row (verl's ``get_rope_index``)."""
         if not len(input_ids):
             return np.zeros((0, 3, input_ids.shape[1]), dtype=np.int64)
@@ -448,8 +467,8 @@ class PromptTokenizeStage:
                 rope_position_ids(
                     input_ids[i],
                     attention_mask[i],
-                    grids[i],
-                    video_grids[i],
+                    rows[i].image_grids,
+                    rows[i].video_token_grids,
                     image_token_id=self.image_pad_id,
                     video_token_id=self.video_pad_id,
                     vision_start_token_id=self.vision_start_id,
@@ -458,45 +477,3 @@ class PromptTokenizeStage:
                 for i in range(len(input_ids))
             ]
         )
-
-
-def _text_as_binary(dtype: pa.DataType) -> pa.DataType:
-    """``dtype`` with every string type replaced by the binary type of the same layout (a cast that never fails)."""
-    if pa.types.is_string(dtype):
-        return pa.binary()
-    if pa.types.is_large_string(dtype):
-        return pa.large_binary()
-    if pa.types.is_list(dtype):
-        return pa.list_(dtype.value_field.with_type(_text_as_binary(dtype.value_type)))
-    if pa.types.is_large_list(dtype):
-        return pa.large_list(dtype.value_field.with_type(_text_as_binary(dtype.value_type)))
-    if pa.types.is_struct(dtype):
-        return pa.struct([f.with_type(_text_as_binary(f.type)) for f in dtype])
-    return dtype
-
-
-def _decode_lossy(value):
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    if isinstance(value, list):
-        return [_decode_lossy(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _decode_lossy(v) for k, v in value.items()}
-    return value
-
-
-def _lossy_row_dict(table: pa.Table, i: int) -> dict:
-    """The row with invalid UTF-8 bytes shown as ``\\xNN`` escapes (columns that read cleanly are as they are)."""
-    row = {}
-    for name in table.column_names:
-        if name in PROVENANCE_COLUMNS:
-            continue
-        value = table.column(name).slice(i, 1)
-        try:
-            row[name] = value.to_pylist()[0]
-        except Exception:
-            try:
-                row[name] = _decode_lossy(value.cast(_text_as_binary(value.type)).to_pylist()[0])
-            except Exception:
-                row[name] = None
-    return row

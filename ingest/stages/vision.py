@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, processed_row, quarantine_record, row_error
+from ingest.accounting import BatchCounts, StageResult, processed_row
 from ingest.blocks import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
@@ -42,11 +42,11 @@ from ingest.blocks import (
     with_rgb,
 )
 from ingest.config import DataConfig, StageContext
-from ingest.errors import BadRowError
 from ingest.media.device import limit_torch_threads, resize_kernel, resolve_device
 from ingest.media.image import decode_jpegs
 from ingest.media.pixels import ProcessorPixels, host_array
 from ingest.media.video import decode_video_file, resize_frames, video_file_decoder
+from ingest.stages.bad_rows import BadRows
 
 logger = logging.getLogger(__name__)
 
@@ -228,23 +228,21 @@ class VisionStage:
             return StageResult(table, BatchCounts()), {}, {}
         decoded = decode_jpegs([jpegs[i][j] for i, j in jpeg_places], self.device) if jpeg_places else []
         frames = [self._decode_video(videos[i][j]) for i, j in video_places]
-        bad: dict[int, BadRowError] = {}
+        bad = BadRows(self.files, table)
         for places, items, what, column in (
             (jpeg_places, decoded, "image", self.image_key),
             (video_places, frames, "video", self.video_key),
         ):
             for (i, _), item in zip(places, items, strict=True):
                 if isinstance(item, Exception) and i not in bad:
-                    reason = f"bad {what}: {type(item).__name__}: {item}"
-                    bad[i] = row_error(self.files, table, i, reason, column)
-        if bad and self.on_bad_row == "raise":
-            raise bad[min(bad)]
-        rows = sorted({i for i, _ in jpeg_places + video_places} - bad.keys())
+                    bad.add(i, f"bad {what}: {type(item).__name__}: {item}", column)
+        bad.raise_first(self.on_bad_row)
+        rows = sorted({i for i, _ in jpeg_places + video_places if i not in bad})
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(rows), quarantined=len(bad), prompt_tokens=int(tokens[rows].sum()))
-        quarantine = [quarantine_record(err, processed_row(table, i)) for i, err in sorted(bad.items())]
+        quarantine = bad.quarantine(processed_row)
         if bad:
-            kept = [i for i in range(table.num_rows) if i not in bad]
+            kept = bad.kept()
             table = table.take(kept)
             jpeg_places, decoded = _renumbered(jpeg_places, decoded, kept)
             video_places, frames = _renumbered(video_places, frames, kept)
