@@ -295,9 +295,12 @@ class PromptTokenizeStage:
         return None
 
     def _check_truncation_keeps_media(self, rows: list[PromptRow], lengths: np.ndarray, bad: BadRows) -> None:
-        """Overlong media prompts whose truncation would cut into their media tokens go into ``bad``."""
+        """Overlong media prompts whose truncation would cut into their media tokens go into ``bad``. A row bad
+        already keeps its reason: its media may be only partly read, so its pads cannot be expanded."""
         max_len, truncation = self.config.max_prompt_length, self.config.truncation
         for i in np.flatnonzero(lengths > max_len).tolist():
+            if i in bad:
+                continue
             row = rows[i]
             if self._truncation_cuts_media(row.model_ids, row.image_grids, row.video_token_grids):
                 column = self.config.image_key if row.image_grids else self.config.video_key
