@@ -16,7 +16,7 @@ _EXPORTS = {
     "ModelLoadError": "ingest.errors",
     "PromptShard": "ingest.shards",
     "PromptStream": "ingest.stream",
-    "SFTCollate": "ingest.datasets.sft",
+    "SFTCollate": "ingest.rowformat.sft_collate",
     "SourceError": "ingest.errors",
     "VerlCollate": "ingest.rowformat.collate",
     "build_dataset": "ingest.datasets.rl",
@@ -48,10 +48,11 @@ __all__ = [
 if TYPE_CHECKING:
     from ingest.config import DataConfig
     from ingest.datasets.rl import build_dataset
-    from ingest.datasets.sft import SFTCollate, build_sft_dataset
+    from ingest.datasets.sft import build_sft_dataset
     from ingest.errors import BadRowError, IngestError, ModelLoadError, SourceError
     from ingest.feed import iter_batch_refs
     from ingest.rowformat.collate import VerlCollate
+    from ingest.rowformat.sft_collate import SFTCollate
     from ingest.shards import PromptShard, merge_shard_states, reshard_states, split_shard_state
     from ingest.stream import PromptStream
 

@@ -18,46 +18,25 @@ M == N each shard can also load its own state unmerged and continue exactly wher
 Shard state (``PromptShard.state_dict()``): ``{"version", "kind": "shard", "shard", "num_shards", "epoch", "seed",
 "rows", "batches", "num_units", "units", "fingerprint"}``; ``units`` is ``[[unit, skip], ...]`` or ``None`` for the
 untouched share ``i % num_shards == shard`` of the epoch. Merged state: ``kind`` ``"merged"``, no shard fields.
-Plain JSON. The fingerprint (files, row groups, unit size, seed, shuffle) refuses other data; batch size and pool
-sizes are not in it: positions count rows, and rows do not depend on either.
+Plain JSON. The fingerprint (``resumable.epoch_fingerprint``: files, row groups, read unit sizes, seed, shuffle) refuses
+other data; batch size and pool sizes are not in it: positions count rows, and rows do not depend on either.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-
-from ingest.config import DataConfig
-from ingest.datasets.plan import FilesArg, InputPlan, plan_input
-from ingest.read.units import UnitIndex
+from ingest.datasets.plan import InputPlan
+from ingest.rebatch import ReadPosition
 from ingest.resumable import ResumableBatches
 
 SHARD_STATE_VERSION = 1
 
 
-def _fingerprint(plan: InputPlan, config: DataConfig, multimodal: bool) -> str:
-    """What decides the epoch's units and their row order, and nothing that varies by epoch (the units' order and
-    the first unit's split do, and states of two epochs are merged)."""
-    identity = {
-        "files": plan.files,
-        "row_groups": [list(info.row_group_rows) for info in plan.infos],
-        "rows_per_task": config.read_rows_per_task,
-        "first_unit_rows": config.read_first_unit_rows,
-        "multimodal": multimodal,
-        "seed": config.seed,
-        "shuffle": config.shuffle,
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _rule_share(shard: int, num_shards: int, num_units: int) -> list[list[int]]:
-    return [[unit, 0] for unit in range(shard, num_units, num_shards)]
+def _rule_share(shard: int, num_shards: int, num_units: int) -> range:
+    """The units shard ``shard`` of ``num_shards`` reads of an epoch nothing was read from: ``i % num_shards``."""
+    return range(shard, num_units, num_shards)
 
 
 def _check(state: Mapping[str, Any], kind: str) -> None:
@@ -107,7 +86,7 @@ def merge_shard_states(states: Sequence[Mapping[str, Any]]) -> dict:
         if state.get("units") is None:
             if num_units is None:
                 continue
-            units = _rule_share(int(state["shard"]), int(state["num_shards"]), num_units)
+            units = [[unit, 0] for unit in _rule_share(int(state["shard"]), int(state["num_shards"]), num_units)]
         else:
             units = [[int(u), int(skip)] for u, skip in state["units"]]
             untouched = untouched and int(state["rows"]) == 0 and all(skip == 0 for _, skip in units)
@@ -168,36 +147,25 @@ class PromptShard(ResumableBatches):
     """Shard ``shard`` of ``num_shards``: an iterable of collated verl batches over its share of each epoch's read
     units, one epoch per ``iter()``, resumable (also under another shard count, through ``reshard_states``).
 
-    Arguments as ``PromptStream``'s. Each consumer (a rollout actor, a trainer rank) makes its own ``PromptShard``;
-    the shards share nothing at run time, so they may run at different speeds, in different processes."""
+    Other arguments as ``PromptStream``'s (``ResumableBatches``'s). Each consumer (a rollout actor, a trainer rank)
+    makes its own ``PromptShard``; the shards share nothing at run time, so they may run at different speeds, in
+    different processes."""
 
-    def __init__(
-        self,
-        files: FilesArg,
-        tokenizer: str | os.PathLike | None,
-        config: DataConfig | Mapping[str, Any] | None,
-        batch_size: int,
-        processor: str | os.PathLike | None = None,
-        *,
-        shard: int = 0,
-        num_shards: int = 1,
-        collate_fn=None,
-        drop_last: bool = False,
-        ledger=None,
-    ):
+    KIND = "shard"
+
+    def __init__(self, *args: Any, shard: int = 0, num_shards: int = 1, **kwargs: Any):
         if not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
-        super().__init__(
-            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
-        )
+        super().__init__(*args, **kwargs)
         self.shard, self.num_shards = shard, num_shards
-        self._queue: list[list[int]] | None = None  # [unit, kept rows of it already handed out]; None: the rule
-        self._rows = 0  # rows handed out in this epoch
-        self._batches = 0
+        self._units: list[int] | None = None  # this shard's units of the epoch, in order; None: the rule's share
         self._num_units: int | None = None
-        self._fingerprint: str | None = None
 
-    # --- state ----------------------------------------------------------------------------------------------------
+    # --- state: the position in this shard's units ----------------------------------------------------------------
+
+    def _units_left(self) -> list[int]:
+        """This shard's units not done yet (the one the position is in included), in order."""
+        return [unit for unit in self._units or () if unit >= self._position.unit]
 
     def state_dict(self) -> dict:
         return {
@@ -207,10 +175,10 @@ class PromptShard(ResumableBatches):
             "num_shards": self.num_shards,
             "epoch": self.epoch,
             "seed": self.config.seed,
-            "rows": self._rows,
-            "batches": self._batches,
+            "rows": self._position.rows,
+            "batches": self._position.batches,
             "num_units": self._num_units,
-            "units": None if self._queue is None else [list(pair) for pair in self._queue],
+            "units": None if self._units is None else [[u, self._position.skip(u)] for u in self._units_left()],
             "fingerprint": self._fingerprint,
         }
 
@@ -225,84 +193,37 @@ class PromptShard(ResumableBatches):
                 f"state of shard {state['shard']} of {state['num_shards']} given to shard {self.shard} of "
                 f"{self.num_shards}; reshard_states(states, {self.num_shards}) deals a run's states anew"
             )
-        if state["seed"] != self.config.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this shard has seed {self.config.seed}")
+        self._check_seed(state)
         self.epoch = int(state["epoch"])
-        self._rows, self._batches = int(state["rows"]), int(state["batches"])
-        units = state.get("units")
-        self._queue = None if units is None else [[int(u), int(skip)] for u, skip in units]
+        queue = None if state.get("units") is None else [(int(u), int(skip)) for u, skip in state["units"]]
+        self._units = None if queue is None else [unit for unit, _ in queue]
+        self._position = ReadPosition(
+            queue[0][0] if queue else 0,
+            dict(queue or ()),
+            rows=int(state["rows"]),
+            batches=int(state["batches"]),
+        )
         self._num_units = None if state.get("num_units") is None else int(state["num_units"])
         self._fingerprint = state.get("fingerprint")
 
     def set_epoch(self, epoch: int) -> None:
         """Start this shard's share of ``epoch`` from its beginning."""
-        self.epoch, self._queue, self._rows, self._batches = int(epoch), None, 0, 0
+        super().set_epoch(epoch)
+        self._units = None
 
     def _plan(self) -> InputPlan:
-        multimodal = self.processor is not None
-        plan = plan_input(self.files, self.config, epoch=self.epoch, multimodal=multimodal)
-        fingerprint = _fingerprint(plan, self.config, multimodal)
-        if self._fingerprint is not None and self._fingerprint != fingerprint:
-            raise ValueError(
-                "shard state belongs to other data or settings (files, row groups, read unit size, seed or shuffle "
-                "changed); start fresh shards or restore the original inputs"
-            )
-        if self._queue is None:
-            self._queue = _rule_share(self.shard, self.num_shards, len(plan.units))
-        if any(not 0 <= u < len(plan.units) for u, _ in self._queue):
+        plan = super()._plan()
+        if self._units is None:
+            self._units = list(_rule_share(self.shard, self.num_shards, len(plan.units)))
+        if any(not 0 <= u < len(plan.units) for u in self._units):
             raise ValueError(f"shard state names read units beyond the epoch's {len(plan.units)}")
-        self._fingerprint, self._num_units = fingerprint, len(plan.units)
+        self._num_units = len(plan.units)
         return plan
 
     # --- iteration ------------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict]:
         plan = self._plan()
-        if self._queue:
-            yield from self._batched(self._blocks(plan), UnitIndex(plan.units))
+        if units := self._units_left():
+            yield from self._batches(self._read(plan, [plan.units[u] for u in units]), plan)
         self.set_epoch(self.epoch + 1)
-
-    def _blocks(self, plan: InputPlan) -> Iterator[pa.Table]:
-        return self._read(plan, [plan.units[u] for u, _ in self._queue])
-
-    def _batched(self, blocks: Iterator[pa.Table], unit_of: UnitIndex) -> Iterator[dict]:
-        # rows of a partly read unit come again in the same order (seeded), so its first ``skip`` are the ones
-        # handed out before; a merged queue may hold several such units
-        skip_left = {u: skip for u, skip in self._queue if skip}
-        pending: list[tuple[pa.Table, np.ndarray]] = []
-        pending_rows = 0
-        for block in blocks:
-            units = unit_of.of_block(block)
-            if skip_left:
-                keep = np.ones(block.num_rows, dtype=bool)
-                for u in [u for u in skip_left if u in units]:
-                    where = np.flatnonzero(units == u)[: skip_left[u]]
-                    keep[where] = False
-                    skip_left[u] -= len(where)
-                    if not skip_left[u]:
-                        del skip_left[u]
-                block, units = block.filter(pa.array(keep)), units[keep]
-            if not block.num_rows:
-                continue
-            pending.append((block, units))
-            pending_rows += block.num_rows
-            while pending_rows >= self.batch_size:
-                table = pa.concat_tables([t for t, _ in pending])
-                all_units = np.concatenate([u for _, u in pending])
-                cut = self.batch_size
-                pending = [(table.slice(cut), all_units[cut:])]
-                pending_rows -= cut
-                yield self._emit(table.slice(0, cut), all_units[:cut])
-        if pending_rows and not self.drop_last:
-            yield self._emit(pa.concat_tables([t for t, _ in pending]), np.concatenate([u for _, u in pending]))
-
-    def _emit(self, table: pa.Table, units: np.ndarray) -> dict:
-        # state first: a generator resumes after ``yield`` only when the next batch is asked for
-        last = int(units[-1])
-        at = next(i for i, (u, _) in enumerate(self._queue) if u == last)
-        # units before the last one's place are done (rows come in queue order); the last one may go on
-        self._queue = self._queue[at:]
-        self._queue[0] = [last, self._queue[0][1] + int((units == last).sum())]
-        self._rows += table.num_rows
-        self._batches += 1
-        return self._collate(table)

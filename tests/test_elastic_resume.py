@@ -31,7 +31,7 @@ def reference(ray_session, variety_files, model_dir):
     return order, unit
 
 
-def _read(shard: PromptShard, batches: int | None = None) -> list[int]:
+def _read(shard: PromptShard | PromptStream, batches: int | None = None) -> list[int]:
     """The ``index`` of the rows of ``batches`` batches (all the epoch's with None); the iterator is closed after."""
     rows: list[int] = []
     it = iter(shard)
@@ -86,6 +86,31 @@ def test_resume_with_another_shard_count_yields_exactly_the_rest(
     assert split_shard_state(merged, m) == new_states
     assert len(merged["units"]) < len({*unit.values()})  # wholly read units are not read again
     assert merged["rows"] == sum(len(rows) for rows in before)
+
+
+def _batches_after(consumer: PromptShard | PromptStream, state: dict) -> list[list[int]]:
+    """The ``index`` of the rows of each batch ``consumer`` yields for the rest of the epoch from ``state``."""
+    consumer.load_state_dict(json.loads(json.dumps(state)))
+    return [[int(i) for i in batch["index"]] for batch in consumer]
+
+
+def test_both_classes_resume_a_state_exactly_under_another_batch_size(ray_session, variety_files, model_dir, reference):
+    """One policy: a position counts rows, so the batch size is in neither fingerprint. A state saved with one batch
+    size loads into a ``PromptStream`` or a ``PromptShard`` of another, and what comes next is exactly the rest of
+    the rows, in batches of the new size."""
+    order, unit = reference
+    resumed_batch = 5
+    stream = PromptStream(variety_files, model_dir, CONFIG, BATCH)
+    head = _read(stream, 3)
+    batches = _batches_after(PromptStream(variety_files, model_dir, CONFIG, resumed_batch), stream.state_dict())
+    assert head + [i for batch in batches for i in batch] == order
+    assert {len(batch) for batch in batches[:-1]} == {resumed_batch}
+    before, states = _consume(variety_files, model_dir, 2, [3, 2])
+    for k, state in enumerate(states):
+        shard = PromptShard(variety_files, model_dir, CONFIG, resumed_batch, shard=k, num_shards=2)
+        batches = _batches_after(shard, state)
+        assert before[k] + [i for batch in batches for i in batch] == _share(order, unit, k, 2)
+        assert {len(batch) for batch in batches[:-1]} == {resumed_batch}
 
 
 @pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")  # a shard may have fewer units left

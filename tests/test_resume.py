@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,9 @@ import ray
 import torch
 
 from ingest import PromptStream
+from ingest.config import DataConfig
+from ingest.datasets.plan import plan_input
+from ingest.resumable import epoch_fingerprint
 from ingest.stats import RunLedger
 
 CONFIG = {"truncation": "left", "shuffle": True, "seed": 11, "read_rows_per_task": 30}
@@ -75,6 +79,67 @@ def test_state_refuses_other_data(ray_session, variety_files, model_dir, full_ep
         next(iter(other))
     with pytest.raises(ValueError, match="seed"):
         PromptStream(variety_files, model_dir, {**CONFIG, "seed": 12}, BATCH).load_state_dict(state)
+
+
+def _fingerprint_with_batch_size(stream: PromptStream) -> str:
+    """The fingerprint ``PromptStream`` states held before the batch size left it: files, their row counts, the
+    epoch's number of read units, batch size, seed and shuffle."""
+    plan = plan_input(stream.files, stream.config, epoch=stream.epoch)
+    identity = {
+        "files": plan.files,
+        "rows": [info.num_rows for info in plan.infos],
+        "units": len(plan.units),
+        "batch_size": stream.batch_size,
+        "seed": stream.config.seed,
+        "shuffle": stream.config.shuffle,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_states_saved_with_the_batch_size_in_the_fingerprint_still_load(
+    ray_session, variety_files, model_dir, full_epoch
+):
+    """A state of the earlier fingerprint resumes exactly with its own batch size, and is refused with another (as
+    it was: it cannot tell one batch size from another)."""
+    stream = PromptStream(variety_files, model_dir, CONFIG, BATCH)
+    head = []
+    for batch in stream:
+        head.append(batch)
+        if len(head) == 3:
+            break
+    state = {**stream.state_dict(), "fingerprint": _fingerprint_with_batch_size(stream)}
+    resumed = PromptStream(variety_files, model_dir, CONFIG, BATCH)
+    resumed.load_state_dict(state)
+    assert _signature(head + list(resumed)) == _signature(full_epoch)
+    other = PromptStream(variety_files, model_dir, CONFIG, BATCH // 2)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="other data"):
+        next(iter(other))
+
+
+def test_the_fingerprint_holds_what_makes_the_units_and_nothing_that_varies_by_epoch(variety_files):
+    """Epochs cut their first unit into small ones (``read_first_unit_rows``), so their numbers of units differ: not
+    in the fingerprint. The unit size is, and for media rows the vision batch size, which caps it."""
+    config = DataConfig.from_any({**CONFIG, "read_first_unit_rows": 10})
+    plans = [plan_input(variety_files, config, epoch=epoch) for epoch in (0, 2)]
+    assert len(plans[0].units) != len(plans[1].units)
+    assert len({epoch_fingerprint(plan, config, False) for plan in plans}) == 1
+    other_units = DataConfig.from_any({**CONFIG, "read_first_unit_rows": 10, "read_rows_per_task": 60})
+    assert epoch_fingerprint(plans[0], other_units, False) != epoch_fingerprint(plans[0], config, False)
+    small_images = DataConfig.from_any({**CONFIG, "read_first_unit_rows": 10, "vision_batch_size": 4})
+    assert epoch_fingerprint(plans[0], small_images, True) != epoch_fingerprint(plans[0], config, True)
+    assert epoch_fingerprint(plans[0], small_images, False) == epoch_fingerprint(plans[0], config, False)
+
+
+def test_a_stream_goes_on_into_an_epoch_with_another_number_of_units(ray_session, variety_files, model_dir):
+    """The fingerprint a stream took in one epoch holds in an epoch whose first unit is cut into more units."""
+    config = {**CONFIG, "read_first_unit_rows": 10}
+    stream = PromptStream(variety_files, model_dir, config, BATCH)
+    for epoch in (0, 2):  # 10 units, then 11 (see above)
+        stream.set_epoch(epoch)
+        batches = iter(stream)
+        assert len(next(batches)["index"]) == BATCH
+        batches.close()
 
 
 def test_killed_consumer_resumes_without_loss_or_repeats(ray_session, variety_files, model_dir, full_epoch, tmp_path):

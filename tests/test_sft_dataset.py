@@ -506,7 +506,7 @@ def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
     node without the driver's directory."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    from ingest.datasets.sft import model_for_actors
+    from ingest.datasets.saved_models import model_for_actors
 
     config = {**BASE, "read_rows_per_task": 40}
     by_path = _rows(build_sft_dataset(text_files, model_dir, config))
