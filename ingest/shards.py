@@ -24,10 +24,12 @@ other data; batch size and pool sizes are not in it: positions count rows, and r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ingest.datasets.plan import InputPlan
+from ingest.config import DataConfig
+from ingest.datasets.plan import FilesArg, InputPlan
 from ingest.rebatch import ReadPosition
 from ingest.resumable import ResumableBatches
 
@@ -153,10 +155,25 @@ class PromptShard(ResumableBatches):
 
     KIND = "shard"
 
-    def __init__(self, *args: Any, shard: int = 0, num_shards: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        files: FilesArg,
+        tokenizer: str | os.PathLike | None,
+        config: DataConfig | Mapping[str, Any] | None,
+        batch_size: int,
+        processor: str | os.PathLike | None = None,
+        *,
+        collate_fn=None,
+        drop_last: bool = False,
+        ledger=None,
+        shard: int = 0,
+        num_shards: int = 1,
+    ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
-        super().__init__(*args, **kwargs)
+        super().__init__(
+            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
+        )
         self.shard, self.num_shards = shard, num_shards
         self._units: list[int] | None = None  # this shard's units of the epoch, in order; None: the rule's share
         self._num_units: int | None = None
