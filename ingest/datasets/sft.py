@@ -21,11 +21,9 @@ from ingest.datasets.pools import map_on_pool, read_units_into_pool
 from ingest.datasets.saved_models import model_for_actors
 from ingest.datasets.sft_checks import check_model_paths, check_no_target, check_sft_config
 from ingest.datasets.sft_plan import plan_sft_input
-from ingest.rowformat.sft_collate import PrimeRLCollate, SFTCollate
 from ingest.sft.tokenizers import is_processor_object
 
-# the names ``ingest.sft`` resolves here
-__all__ = ["PrimeRLCollate", "SFTCollate", "build_sft_dataset", "plan_sft_input"]
+__all__ = ["build_sft_dataset"]
 
 
 def build_sft_dataset(

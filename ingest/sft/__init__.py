@@ -20,8 +20,9 @@ Modules: ``data`` (types), ``render`` (renderers), ``media`` (images / videos), 
 (``build_training_sample``), ``sequence`` (shift / truncate / pack). Pure Python + numpy; transformers and torch
 are imported only when media is processed. CPU only.
 
-A leaf library: nothing here imports Ray, a pipeline stage or an actor. The Ray Data mode, ``build_sft_dataset``
-and ``SFTCollate``, lives beside the RL builder in ``ingest.datasets.sft``; the names below resolve there on first use.
+A leaf library: nothing here imports Ray, a pipeline stage or an actor. The Ray Data mode lives beside the RL one:
+``build_sft_dataset`` in ``ingest.datasets.sft``, its collates beside ``VerlCollate`` (``rowformat.sft_collate``);
+the names below resolve there on first use.
 """
 
 from ingest.lazy import lazy_exports
@@ -65,5 +66,10 @@ __all__ = [
     "shift_and_truncate",
 ]
 
-_DATASET_NAMES = ("PrimeRLCollate", "SFTCollate", "build_sft_dataset", "plan_sft_input")
-__getattr__, __dir__ = lazy_exports(globals(), dict.fromkeys(_DATASET_NAMES, "ingest.datasets.sft"))
+_DATASET_NAMES = {
+    "PrimeRLCollate": "ingest.rowformat.sft_collate",
+    "SFTCollate": "ingest.rowformat.sft_collate",
+    "build_sft_dataset": "ingest.datasets.sft",
+    "plan_sft_input": "ingest.datasets.sft_plan",
+}
+__getattr__, __dir__ = lazy_exports(globals(), _DATASET_NAMES)
