@@ -22,8 +22,9 @@ What this proves, each against a reference pass on the whole cluster:
   loses the counts; a ledger that is lost all the same (one a caller placed elsewhere) fails the run with
   ``LedgerLostError`` naming it, never a summary with wrong counts.
 
-Each test runs its cluster in a subprocess (``tests/support/node_loss.py``): the session's own local Ray holds this
-process.
+The cases run in a subprocess (``tests/support/node_loss.py``; the session's own local Ray holds this process), all on
+one cluster that gets its three workers back between cases; the two ``run_pipeline`` cases share one reference pass.
+Only the case that needs the driver's node busy (a head with a CPU, held) has a cluster of its own.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ TEXT_CONFIG = {
 }
 
 
-def _run(spec: dict, timeout: int = 300) -> dict:
+def _run(spec: dict, timeout: int = 1200) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.support.node_loss", json.dumps(spec)],
         env=cluster_env(PYTHONPATH=str(ROOT), RAY_DATA_DISABLE_PROGRESS_BARS="1"),
@@ -62,6 +63,12 @@ def _run(spec: dict, timeout: int = 300) -> dict:
     return json.loads(lines[0].removeprefix("RESULT "))
 
 
+def _case(results: dict, name: str) -> dict:
+    result = results[name]
+    assert "error" not in result, result["error"]
+    return result
+
+
 def _lost_busy_nodes(result: dict) -> None:
     """The loss hit the pipeline: two workers went, holding some of its actors."""
     nodes = result["loss"]["nodes"]
@@ -69,24 +76,54 @@ def _lost_busy_nodes(result: dict) -> None:
     assert nodes["removed"] == 2 and nodes["busy_cpus_removed"] > 0, nodes
 
 
-def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def text_with_bad_rows(tmp_path_factory) -> list[str]:
+    """1,200 gsm8k rows over 3 files: every 23rd prompt overlong (filtered), every 50th an empty message list
+    (quarantined)."""
+    from ingest.demo import gsm8k_rows
+
+    root = tmp_path_factory.mktemp("bad-rows")
+    rows = gsm8k_rows(1200, long_every=23)
+    for i in range(7, 1200, 50):
+        rows[i]["prompt"] = []
+    table = pa.Table.from_pylist(rows)
+    paths = [str(root / f"train-{k}.parquet") for k in range(3)]
+    for k, path in enumerate(paths):
+        pq.write_table(table.slice(k * 400, 400), path, row_group_size=20)
+    return paths
+
+
+RUN_CONFIG = {**TEXT_CONFIG, "on_bad_row": "quarantine", "max_prompt_length": 256}
+COUNTS = ("rows_in", "rows_out", "filtered_overlong", "quarantined", "prompt_tokens")
+
+
+def _run_spec(files: list[str], model: str, out, **extra) -> dict:
+    """``run_pipeline`` on ``files`` with two workers lost once the ledger has counted a batch in; the one worker left
+    runs the rest (a node cannot be added from the watching thread)."""
+    return {
+        "mode": "run",
+        "files": files,
+        "model": model,
+        "config": RUN_CONFIG,
+        "batch_size": 16,
+        "output": str(out),
+        "watch_rows": 20,
+        "add_back": 0,
+        "reference_key": "run",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def losses(model_dir, text_with_bad_rows, tmp_path_factory) -> dict:
+    """Every case on one cluster with a CPU-less head (the driver's), in one subprocess."""
     from ingest.demo import write_gsm8k_parquet
-
-    files = write_gsm8k_parquet(tmp_path, 1200, num_files=3, row_group_size=20)
-    spec = {"files": files, "model": model_dir, "config": TEXT_CONFIG, "batch_size": 16, "after": 2}
-    result = _run(spec)
-    _lost_busy_nodes(result)
-    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
-    assert [i for i, _ in reference] == list(range(1200))
-    assert [i for i, _ in rows] == list(range(1200))  # every row once, in input order
-    assert rows == reference  # and each row equal, tensor for tensor
-
-
-def test_image_rows_through_decode_and_vision_pools_survive_node_loss(model_dir, tmp_path):
     from tools.samples import write_geo3k_parquet
 
-    files = write_geo3k_parquet(tmp_path, 96, num_files=2, row_group_size=8)
-    config = {
+    root = tmp_path_factory.mktemp("node-loss")
+    text = write_gsm8k_parquet(root / "text", 1200, num_files=3, row_group_size=20)
+    images = write_geo3k_parquet(root / "images", 96, num_files=2, row_group_size=8)
+    image_config = {
         "shuffle": False,
         "read_rows_per_task": 8,
         "tokenizer_batch_size": 8,
@@ -94,8 +131,65 @@ def test_image_rows_through_decode_and_vision_pools_survive_node_loss(model_dir,
         "filter_overlong_prompts": False,
         "max_prompt_length": 4096,
     }
-    spec = {"files": files, "model": model_dir, "processor": model_dir, "config": config, "batch_size": 8, "after": 2}
-    result = _run(spec)
+    cases = [
+        {"name": "text", "files": text, "model": model_dir, "config": TEXT_CONFIG, "batch_size": 16, "after": 2},
+        {
+            "name": "images",
+            "files": images,
+            "model": model_dir,
+            "processor": model_dir,
+            "config": image_config,
+            "batch_size": 8,
+            "after": 2,
+        },
+        {
+            "name": "refs",
+            "mode": "refs",
+            "files": text,
+            "model": model_dir,
+            "config": TEXT_CONFIG,
+            "batch_size": 16,
+            "after": 2,
+            "hold": 2,
+            "prefetch": 2,
+        },
+        {
+            "name": "state",
+            "mode": "state",
+            "files": text,
+            "model": model_dir,
+            "config": {**TEXT_CONFIG, "shuffle": True, "seed": 5},
+            "batch_size": 16,
+            "after": 8,
+            "state_at": 12,
+        },
+        # a ledger on a worker stays
+        _run_spec(text_with_bad_rows, model_dir, root / "out-run", name="run", ledger="spare"),
+    ]
+    return _run({"cases": cases})
+
+
+@pytest.fixture(scope="module")
+def busy_driver_loss(model_dir, text_with_bad_rows, losses, tmp_path_factory) -> dict:
+    """The ``run_pipeline`` case with the driver's node busy (its one CPU held), on a cluster of its own; its
+    reference is the shared cluster's pass of the same run (the same files and config)."""
+    out = tmp_path_factory.mktemp("node-loss-busy") / "out"
+    spec = _run_spec(text_with_bad_rows, model_dir, out, name="busy", reference=False)
+    result = _case(_run({**spec, "head_cpus": 1, "busy_driver_node": 1}), "busy")
+    return {**result, "reference": _case(losses, "run")["reference"]}
+
+
+def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(losses):
+    result = _case(losses, "text")
+    _lost_busy_nodes(result)
+    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
+    assert [i for i, _ in reference] == list(range(1200))
+    assert [i for i, _ in rows] == list(range(1200))  # every row once, in input order
+    assert rows == reference  # and each row equal, tensor for tensor
+
+
+def test_image_rows_through_decode_and_vision_pools_survive_node_loss(losses):
+    result = _case(losses, "images")
     _lost_busy_nodes(result)
     reference, rows = result["reference"]["rows"], result["loss"]["rows"]
     assert [i for i, _ in reference] == list(range(96))
@@ -103,7 +197,7 @@ def test_image_rows_through_decode_and_vision_pools_survive_node_loss(model_dir,
     assert rows == reference  # pixel values, grids and position ids included
 
 
-def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_is_lost(model_dir, tmp_path):
+def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_is_lost(losses):
     """``iter_batch_refs`` hands 16-row batches to three rollout stand-ins (``num_cpus=0`` actors pinned to the
     driver's node, so the consumers survive and only the data path is hit). After two batches are consumed, two
     more refs are taken but held back; the node storing their batches (the producer task's: a 400 KB batch is kept
@@ -111,11 +205,7 @@ def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_i
     handed out after the loss: Ray has to make their batches again, and it does. The producer task is run again
     from the start of the epoch (the pipeline's actors it owned went with it); the refs it already yielded keep
     their places, so the consumer sees no seam."""
-    from ingest.demo import write_gsm8k_parquet
-
-    files = write_gsm8k_parquet(tmp_path, 1200, num_files=3, row_group_size=20)
-    spec = {"mode": "refs", "files": files, "model": model_dir, "config": TEXT_CONFIG, "batch_size": 16}
-    result = _run(spec | {"after": 2, "hold": 2, "prefetch": 2})
+    result = _case(losses, "refs")
     reference, loss = result["reference"], result["loss"]
     _lost_busy_nodes(result)
     # the held batches lived on one node only, and that node went before they were read
@@ -132,17 +222,12 @@ def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_i
     assert got == expected  # and each row equal to the whole cluster's
 
 
-def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(model_dir, tmp_path):
+def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(losses):
     """A shuffled ``PromptStream`` epoch: 8 batches (the first ones made in the driver, then the actors'), two
     workers lost, 4 more batches, ``state_dict()``; the stream is closed and a new one on the cluster that is left
     loads the state and reads the rest. The rows before and after the state are the reference epoch (an
     uninterrupted stream on the whole cluster)."""
-    from ingest.demo import write_gsm8k_parquet
-
-    files = write_gsm8k_parquet(tmp_path, 1200, num_files=3, row_group_size=20)
-    config = {**TEXT_CONFIG, "shuffle": True, "seed": 5}
-    spec = {"mode": "state", "files": files, "model": model_dir, "config": config, "batch_size": 16}
-    result = _run(spec | {"after": 8, "state_at": 12})
+    result = _case(losses, "state")
     reference, loss = result["reference"]["rows"], result["loss"]
     _lost_busy_nodes(result)
     assert sorted(i for i, _ in reference) == list(range(1200))
@@ -151,45 +236,8 @@ def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(model_dir, tm
     assert loss["before"] + loss["rest"] == reference  # none lost, none twice, in order, each row equal
 
 
-@pytest.fixture
-def text_with_bad_rows(tmp_path) -> list[str]:
-    """1,200 gsm8k rows over 3 files: every 23rd prompt overlong (filtered), every 50th an empty message list
-    (quarantined)."""
-    from ingest.demo import gsm8k_rows
-
-    rows = gsm8k_rows(1200, long_every=23)
-    for i in range(7, 1200, 50):
-        rows[i]["prompt"] = []
-    table = pa.Table.from_pylist(rows)
-    paths = [str(tmp_path / f"train-{k}.parquet") for k in range(3)]
-    for k, path in enumerate(paths):
-        pq.write_table(table.slice(k * 400, 400), path, row_group_size=20)
-    return paths
-
-
-RUN_CONFIG = {**TEXT_CONFIG, "on_bad_row": "quarantine", "max_prompt_length": 256}
-COUNTS = ("rows_in", "rows_out", "filtered_overlong", "quarantined", "prompt_tokens")
-
-
-def _run_spec(files: list[str], model: str, tmp_path, **extra) -> dict:
-    """``run_pipeline`` on ``files`` with two workers lost once the ledger has counted a batch in; the one worker left
-    runs the rest (a node cannot be added from the watching thread)."""
-    return {
-        "mode": "run",
-        "files": files,
-        "model": model,
-        "config": RUN_CONFIG,
-        "batch_size": 16,
-        "output": str(tmp_path / "out"),
-        "watch_rows": 20,
-        "add_back": 0,
-        **extra,
-    }
-
-
-def test_run_summary_and_quarantine_exact_after_node_loss(model_dir, text_with_bad_rows, tmp_path):
-    spec = _run_spec(text_with_bad_rows, model_dir, tmp_path, ledger="spare")  # a ledger on a worker stays
-    result = _run(spec)
+def test_run_summary_and_quarantine_exact_after_node_loss(losses):
+    result = _case(losses, "run")
     reference, loss = result["reference"], result["loss"]
     assert "error" not in loss, loss
     _lost_busy_nodes(result)
@@ -201,12 +249,11 @@ def test_run_summary_and_quarantine_exact_after_node_loss(model_dir, text_with_b
     assert loss["quarantine_rows"] == reference["quarantine_rows"] == 24  # one record per bad row, none twice
 
 
-def test_the_runs_ledger_stays_on_the_drivers_node_and_the_run_finishes(model_dir, text_with_bad_rows, tmp_path):
+def test_the_runs_ledger_stays_on_the_drivers_node_and_the_run_finishes(busy_driver_loss):
     """``run_pipeline`` pins its ledger to the driver's node, even when that node is busy (its one CPU held, as a
     trainer's processes would hold it; unpinned, Ray then put the ledger on a worker): losing two workers leaves the
     counts whole."""
-    spec = _run_spec(text_with_bad_rows, model_dir, tmp_path, head_cpus=1, busy_driver_node=1)
-    result = _run(spec)
+    result = busy_driver_loss
     reference, loss = result["reference"], result["loss"]
     assert "error" not in loss, loss
     assert loss["nodes"].get("removed") == 2, loss["nodes"]

@@ -149,28 +149,69 @@ def ledger_node(actor_id: str) -> str | None:
 
 
 def main(spec: dict) -> dict:
-    cluster = start_cluster(spec.get("workers", 3), spec.get("head_cpus", 0))
+    """Every case of ``spec["cases"]`` (or ``spec`` itself, one case) on one cluster, in order: before each case the
+    cluster gets its ``workers`` back and waits for the last case's pipeline to let go of their CPUs. A case's
+    reference pass is made once per ``reference_key`` and shared by the cases that name the same key. Returns
+    ``{case name: result}``; a case that raised gives ``{"error": traceback}`` and the next case still runs."""
+    cases = spec.get("cases", [{"name": "case", **spec}])
+    workers = spec.get("workers", 3)
+    cluster = start_cluster(workers, spec.get("head_cpus", 0))
     try:
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        result: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
         hog = occupy_driver_node(spec["busy_driver_node"]) if spec.get("busy_driver_node") else None  # noqa: F841
-        modes = {"run": run_with_loss, "refs": refs_with_loss, "state": state_with_loss}
-        run = modes.get(spec.get("mode"), stream_with_loss)
-        if spec.get("reference", True):  # the same pass on the whole cluster
-            started = time.perf_counter()
-            result["reference"] = run(spec, None)
-            result["reference_s"] = time.perf_counter() - started
-        after, remove, add_back = spec.get("after", 2), spec.get("remove", 2), spec.get("add_back", 1)
-        loss = NodeLoss(cluster, after, remove, add_back, spec.get("ledger"))
-        started = time.perf_counter()
-        result["loss"] = run(spec, loss)
-        result["loss_s"] = time.perf_counter() - started
-        result["loss"]["nodes"] = loss.report
-        return result
+        references: dict[str, tuple[dict, float]] = {}
+        results = {}
+        for case in cases:
+            restore_workers(cluster, workers)
+            try:
+                results[case["name"]] = run_case(cluster, case, references)
+            except Exception:
+                import traceback
+
+                results[case["name"]] = {"error": traceback.format_exc()[-4000:]}
+        return results
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def run_case(cluster: Cluster, case: dict, references: dict[str, tuple[dict, float]]) -> dict:
+    """One case: its reference pass on the whole cluster (or the one an earlier case made under the same
+    ``reference_key``), then the pass that loses nodes."""
+    result: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
+    modes = {"run": run_with_loss, "refs": refs_with_loss, "state": state_with_loss}
+    run = modes.get(case.get("mode"), stream_with_loss)
+    if case.get("reference", True):
+        key = case.get("reference_key") or case["name"]
+        if key not in references:
+            started = time.perf_counter()
+            references[key] = run(case, None), time.perf_counter() - started
+            restore_workers(cluster, len(cluster.worker_nodes))
+        result["reference"], result["reference_s"] = references[key]
+    after, remove, add_back = case.get("after", 2), case.get("remove", 2), case.get("add_back", 1)
+    loss = NodeLoss(cluster, after, remove, add_back, case.get("ledger"))
+    started = time.perf_counter()
+    result["loss"] = run(case, loss)
+    result["loss_s"] = time.perf_counter() - started
+    result["loss"]["nodes"] = loss.report
+    return result
+
+
+def restore_workers(cluster: Cluster, workers: int, timeout: float = 60) -> None:
+    """Add 1-CPU workers until the cluster has ``workers``, then wait (up to ``timeout``) until no worker's CPU is
+    held: the last pass's pipeline is shut down, so the next one starts its actors on an idle cluster."""
+    import gc
+
+    for _ in range(workers - len(cluster.worker_nodes)):
+        cluster.add_node(num_cpus=1, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        gc.collect()  # a finished pass's iterators (and so its pipeline) can hang in reference cycles
+        if not any(busy_cpus(n.node_id) for n in cluster.worker_nodes):
+            return
+        time.sleep(0.5)
 
 
 def stream_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
