@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -70,36 +71,30 @@ def earlier_fingerprints(plan: InputPlan, config: DataConfig, multimodal: bool, 
     return {_digest(_unit_identity(plan, config, multimodal)), _digest(stream)}
 
 
+@dataclass(eq=False)
 class ResumableBatches:
     """Collated batches of ``batch_size`` rows over ``files`` (``build_dataset``'s ``tokenizer``, ``config``,
     ``processor``); ``collate_fn`` defaults to ``VerlCollate`` of the config's row format; ``drop_last`` drops a final
-    short batch; ``ledger``: a ``RunLedger`` actor that receives the counts."""
+    short batch; ``ledger``: a ``RunLedger`` actor that receives the counts. A dataclass, so that each subclass's
+    constructor is this one's arguments plus its own fields, typed."""
 
     # what errors call a state of this class
     KIND: ClassVar[str] = "stream"
 
-    def __init__(
-        self,
-        files: FilesArg,
-        tokenizer: str | os.PathLike | None,
-        config: DataConfig | Mapping[str, Any] | None,
-        batch_size: int,
-        processor: str | os.PathLike | None = None,
-        *,
-        collate_fn=None,
-        drop_last: bool = False,
-        ledger=None,
-    ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.files = files
-        self.tokenizer = tokenizer
-        self.processor = processor
-        self.config = DataConfig.from_any(config)
-        self.batch_size = batch_size
-        self.collate_fn = collate_fn or VerlCollate(row_format=self.config.row_format)
-        self.drop_last = drop_last
-        self.ledger = ledger
+    files: FilesArg
+    tokenizer: str | os.PathLike | None
+    config: DataConfig | Mapping[str, Any] | None
+    batch_size: int
+    processor: str | os.PathLike | None = None
+    collate_fn: Callable | None = field(default=None, kw_only=True)
+    drop_last: bool = field(default=False, kw_only=True)
+    ledger: Any = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.config = DataConfig.from_any(self.config)
+        self.collate_fn = self.collate_fn or VerlCollate(row_format=self.config.row_format)
         self.epoch = 0
         self._position = ReadPosition()
         self._fingerprint: str | None = None  # of the data and settings the position belongs to; None: not known yet

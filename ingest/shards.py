@@ -24,12 +24,11 @@ other data; batch size and pool sizes are not in it: positions count rows, and r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from ingest.config import DataConfig
-from ingest.datasets.plan import FilesArg, InputPlan
+from ingest.datasets.plan import InputPlan
 from ingest.rebatch import ReadPosition
 from ingest.resumable import ResumableBatches
 
@@ -145,6 +144,7 @@ def reshard_states(states: Sequence[Mapping[str, Any]], num_shards: int) -> list
     return split_shard_state(merge_shard_states(states), num_shards)
 
 
+@dataclass(eq=False)
 class PromptShard(ResumableBatches):
     """Shard ``shard`` of ``num_shards``: an iterable of collated verl batches over its share of each epoch's read
     units, one epoch per ``iter()``, resumable (also under another shard count, through ``reshard_states``).
@@ -155,26 +155,13 @@ class PromptShard(ResumableBatches):
 
     KIND = "shard"
 
-    def __init__(
-        self,
-        files: FilesArg,
-        tokenizer: str | os.PathLike | None,
-        config: DataConfig | Mapping[str, Any] | None,
-        batch_size: int,
-        processor: str | os.PathLike | None = None,
-        *,
-        collate_fn=None,
-        drop_last: bool = False,
-        ledger=None,
-        shard: int = 0,
-        num_shards: int = 1,
-    ):
-        if not 0 <= shard < num_shards:
-            raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
-        super().__init__(
-            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
-        )
-        self.shard, self.num_shards = shard, num_shards
+    shard: int = field(default=0, kw_only=True)
+    num_shards: int = field(default=1, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got shard {self.shard} of {self.num_shards}")
+        super().__post_init__()
         self._units: list[int] | None = None  # this shard's units of the epoch, in order; None: the rule's share
         self._num_units: int | None = None
 

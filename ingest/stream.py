@@ -17,16 +17,15 @@ under another batch size (states saved before kept it, and still load with their
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-from ingest.config import DataConfig
 from ingest.datasets.handoff import ClusterHandoff
 from ingest.datasets.local import DriverUnits, driver_can_start, made_in_order
-from ingest.datasets.plan import FilesArg, InputPlan
+from ingest.datasets.plan import InputPlan
 from ingest.memory import return_freed_heap
 from ingest.rebatch import ReadPosition
 from ingest.resumable import ResumableBatches
@@ -36,6 +35,7 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
+@dataclass(eq=False)
 class PromptStream(ResumableBatches):
     """Iterable of collated verl batches over ``files``, one epoch per ``iter()``, resumable mid-epoch.
 
@@ -54,23 +54,10 @@ class PromptStream(ResumableBatches):
     # threads making units in the driver: one encodes, decodes or resizes (no GIL) while the other runs Python
     DRIVER_THREADS = 2
 
-    def __init__(
-        self,
-        files: FilesArg,
-        tokenizer: str | os.PathLike | None,
-        config: DataConfig | Mapping[str, Any] | None,
-        batch_size: int,
-        processor: str | os.PathLike | None = None,
-        *,
-        collate_fn=None,
-        drop_last: bool = False,
-        ledger=None,
-        driver_first_batch: bool = True,
-    ):
-        super().__init__(
-            files, tokenizer, config, batch_size, processor, collate_fn=collate_fn, drop_last=drop_last, ledger=ledger
-        )
-        self.driver_first_batch = driver_first_batch
+    driver_first_batch: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self._actors_start_s: float | None = None  # the last handoff's wait for the actors' first block
 
     # --- state: the position is the unit the next row comes from and how many of its kept rows were yielded -------
