@@ -5,11 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-ORACLE := .oracle/.installed
-ORACLE06 := .oracle-0.6/.installed
-ORACLE07 := .oracle-0.7/.installed
-ORACLE08 := .oracle-0.8/.installed
-ORACLE09 := .oracle-0.9/.installed
+ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .oracle-0.8/.installed .oracle-0.9/.installed
 
 .PHONY: install oracle demo test test-all lint bench clean
 
@@ -22,38 +18,19 @@ $(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyp
 
 install: $(STAMP)
 
-# verl 0.5.0 + transformers 4.57 beside (not inside) the main environment: the parity oracle and bench competitor.
-$(ORACLE): requirements/oracle.txt
-	rm -rf .oracle
-	$(PIP) install -q --no-deps --target .oracle -r requirements/oracle.txt
+# The verl releases the tests compare against, each installed beside (not inside) the main environment from its
+# requirements/oracle*.txt and run in a subprocess with its folder in front of PYTHONPATH (tools/oracle):
+#   .oracle      verl 0.5.0 + transformers 4.57: row_format verl-0.5, and the benchmarks' competitor
+#   .oracle-0.6  verl 0.6.1 (the same transformers 4.57): verl-0.6
+#   .oracle-0.9  verl 0.9.1 (transformers 5.9, as it pins it): verl-0.9
+#   .oracle-0.8  verl 0.8.0 alone, run in front of .oracle-0.9 (its transformers and the rest): a second verl-0.9 oracle
+#   .oracle-0.7  verl 0.7.1 alone, run like 0.8.0 in front of .oracle-0.9: verl-0.7
+$(ORACLES): .%/.installed: requirements/%.txt
+	rm -rf .$*
+	$(PIP) install -q --no-deps --target .$* -r $<
 	touch $@
 
-# verl 0.6.1, the oracle of row_format verl-0.6, beside it (the same transformers 4.57)
-$(ORACLE06): requirements/oracle-0.6.txt
-	rm -rf .oracle-0.6
-	$(PIP) install -q --no-deps --target .oracle-0.6 -r requirements/oracle-0.6.txt
-	touch $@
-
-# verl 0.9.1, the oracle of row_format verl-0.9 (transformers 5.9, as verl 0.9.1 pins it)
-$(ORACLE09): requirements/oracle-0.9.txt
-	rm -rf .oracle-0.9
-	$(PIP) install -q --no-deps --target .oracle-0.9 -r requirements/oracle-0.9.txt
-	touch $@
-
-# verl 0.8.0, a second oracle of row_format verl-0.9: verl alone, run with .oracle-0.8 in front of .oracle-0.9 (it
-# reuses 0.9.1's transformers 5.9 and the rest)
-$(ORACLE08): requirements/oracle-0.8.txt
-	rm -rf .oracle-0.8
-	$(PIP) install -q --no-deps --target .oracle-0.8 -r requirements/oracle-0.8.txt
-	touch $@
-
-# verl 0.7.1, the oracle of row_format verl-0.7: verl alone, run like 0.8.0 in front of .oracle-0.9
-$(ORACLE07): requirements/oracle-0.7.txt
-	rm -rf .oracle-0.7
-	$(PIP) install -q --no-deps --target .oracle-0.7 -r requirements/oracle-0.7.txt
-	touch $@
-
-oracle: $(ORACLE) $(ORACLE06) $(ORACLE07) $(ORACLE08) $(ORACLE09)
+oracle: $(ORACLES)
 
 demo: $(STAMP)
 	$(PY) -m ingest make-tokenizer
@@ -65,12 +42,12 @@ PYTEST := LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:
 
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for
 # test-all.
-test: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE07) $(ORACLE08) $(ORACLE09)
+test: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PYTEST) --durations=15 -m "not slow" tests
 
 # Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs.
-test-all: $(STAMP) $(ORACLE) $(ORACLE06) $(ORACLE07) $(ORACLE08) $(ORACLE09)
+test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PYTEST) --durations=25 tests
 
@@ -78,7 +55,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PY) -m ruff format --check ingest actors tests tools
 
-bench: $(STAMP) $(ORACLE)
+bench: $(STAMP) .oracle/.installed
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
