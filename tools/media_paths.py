@@ -12,7 +12,9 @@ Paths and workloads (geo3k-shaped rows from ``tools.samples``, the ``bench mm`` 
 - ``count``: ``png_decodes`` (a sound PNG's verdict without unfiltering it) against decoding it. Workload: an epoch's
   count, read + prompt stage + the decode stage's count in one thread (``DriverUnits(count_only=True)``).
 - ``resize``: ``_resize.c`` against torch's uint8 kernel. Workload: a CPU vision actor's life, the stage's start
-  (where the torch side imports torch) and its blocks.
+  (where the torch side imports torch) and its blocks, torch on one thread (a 1-CPU actor's).
+- ``resize-loaded``: the same in a process that has imported torch already, with torch's own thread count (the
+  driver, whose collate imports torch, when it keeps the epoch): the vision stage's blocks only.
 - ``normalize``: ``_resize.c``'s normalize against the numpy fallback. Workload: the consumer's collate of the vision
   stage's blocks.
 
@@ -41,6 +43,7 @@ COMPARISONS = {
     "stack": ("decode", "all", "file-pil"),
     "count": ("count", "all", "no-png-decodes"),
     "resize": ("vision", "c", "torch"),
+    "resize-loaded": ("vision-loaded", "c", "torch"),
     "normalize": ("collate", "c", "numpy"),
 }
 
@@ -131,7 +134,14 @@ def run_one(workload: str, variant: str, files: list[str], model: str, passes: i
             blocks = [decode(block).table for block in blocks]
             from ingest.stages.vision import VisionStage
 
-            if workload == "vision":
+            if workload == "vision-loaded":
+                import torch  # noqa: F401 - imported before, as the driver's collate has
+
+                vision = VisionStage(model, config, context)
+
+                def one_pass() -> int:
+                    return sum(vision.process(block).table.num_rows for block in blocks)
+            elif workload == "vision":
                 assert "torch" not in sys.modules, "the set-up imported torch: the C side would pay for it"
                 stages: list = []
 
@@ -160,8 +170,11 @@ def run_one(workload: str, variant: str, files: list[str], model: str, passes: i
 
 
 def _spawn(workload: str, variant: str, files: list[str], model: str, passes: int) -> dict:
-    # one core's worth of threads, as a 1-CPU actor gets from Ray; tokenizers' pool off, as in the actors
+    # one core's worth of threads, as a 1-CPU actor gets from Ray (the driver: torch's own choice); tokenizers' pool
+    # off, as in the actors
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if workload == "vision-loaded":
+        env.pop("OMP_NUM_THREADS")
     command = [sys.executable, "-m", "tools.media_paths", "--one", workload, variant, "--model", model]
     command += ["--passes", str(passes), "--files", *files]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
