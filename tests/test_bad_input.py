@@ -20,6 +20,7 @@ from ingest.errors import find_ingest_error
 from ingest.run import run_pipeline, write_summary_json
 from ingest.stats import RunLedger
 from tests.support.batches import collect
+from tests.support.tiers import slow
 
 QUARANTINE = {"shuffle": False}
 STRICT = {"shuffle": False, "on_bad_row": "raise"}
@@ -187,6 +188,7 @@ def test_no_usable_file_is_an_error_in_both_modes(ray_session, model_dir, tmp_pa
             assert info.value.reason.endswith("(no usable input file: 2 of 2 rejected)")
 
 
+@slow
 def test_corrupt_row_group_behind_a_readable_footer_follows_the_policy(ray_session, model_dir, tmp_path):
     """Footer fine, a data page broken: found only when that read unit is read, inside an actor. Quarantine mode:
     the unit's rows are quarantined (one record: file, first row, reason, rows) and the run goes on; strict mode:
@@ -212,6 +214,7 @@ def test_corrupt_row_group_behind_a_readable_footer_follows_the_policy(ray_sessi
 # --- schemas ----------------------------------------------------------------------------------------------------------
 
 
+@slow
 def test_files_with_extra_or_missing_columns_union_with_nulls(ray_session, model_dir, tmp_path):
     """As verl's HF ``concatenate_datasets``: the union of the columns, null where a file lacks one (struct fields
     too), in first-seen order."""
@@ -227,6 +230,7 @@ def test_files_with_extra_or_missing_columns_union_with_nulls(ray_session, model
     assert table.column("extra_info").to_pylist() == [{"index": 1, "split": None}, {"index": 0, "split": "train"}]
 
 
+@slow
 def test_conflicting_column_types_quarantine_the_later_file(ray_session, model_dir, tmp_path):
     a = _write(tmp_path / "a.parquet", [_good(i) for i in range(3)])
     b = _write(tmp_path / "b.parquet", [{**_good(i), "data_source": i} for i in range(3, 5)])  # int, not string

@@ -21,6 +21,7 @@ import ray
 
 from ingest.run import run_pipeline
 from tests.support.media import header_only_png, write_media_rows
+from tests.support.tiers import slow
 from tools.samples import encode_image, make_video_file
 
 IMAGE_FILES, IMAGE_ROWS_PER_FILE, ROW_GROUP = 3, 400, 50
@@ -264,6 +265,7 @@ RUNS: dict[str, tuple[str, dict]] = {
 }
 
 
+@slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bad_media_at_scale_quarantined_exactly(ray_session, model_dir, tmp_path, name):
     video, extra = RUNS[name]

@@ -18,6 +18,7 @@ import ray
 from ingest.run import run_pipeline
 from ingest.stats import METRIC_NAMES
 from tests.support.cluster import ROOT, cluster_env, free_port, start_head, stop_cluster
+from tests.support.tiers import slow
 
 
 def _submit(dashboard: int, submission: str, out, summary_path, env) -> subprocess.CompletedProcess:
@@ -50,6 +51,7 @@ def _ray_job(verb: str, dashboard: int, submission: str, env: dict) -> subproces
     )
 
 
+@slow
 def test_demo_job_submitted_with_ray_job_submit(tmp_path):
     port, dashboard = free_port(), free_port()
     token = secrets.token_hex(16)
@@ -87,6 +89,7 @@ def _scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 
+@slow
 def test_metrics_counters_match_the_summary(ray_session, variety_files, model_dir):
     summary = run_pipeline(variety_files, model_dir, {"truncation": "left", "shuffle": False})
     ports = {node["MetricsExportPort"] for node in ray.nodes() if node["Alive"]}
@@ -136,6 +139,7 @@ print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "p
 """
 
 
+@slow
 def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
     from tests.support.cluster import start_autoscaling_cluster
     from tools.samples import write_geo3k_parquet

@@ -13,6 +13,7 @@ from ingest import PromptShard, PromptStream, merge_shard_states, reshard_states
 from ingest.config import DataConfig
 from ingest.datasets.plan import plan_input
 from ingest.read.units import UnitIndex
+from tests.support.tiers import slow
 
 CONFIG = {"truncation": "left", "shuffle": True, "seed": 11, "read_rows_per_task": 30}
 BATCH = 8
@@ -54,6 +55,7 @@ def _consume(files, model_dir, n: int, counts: list[int], config=CONFIG) -> tupl
     return before, [json.loads(json.dumps(s.state_dict())) for s in shards]  # as saved in a checkpoint
 
 
+@slow
 @pytest.mark.parametrize("n,m,counts", [(2, 3, [3, 7]), (4, 2, [1, 4, 2, 0])])
 def test_resume_with_another_shard_count_yields_exactly_the_rest(
     ray_session, variety_files, model_dir, reference, n, m, counts
@@ -113,6 +115,7 @@ def test_both_classes_resume_a_state_exactly_under_another_batch_size(ray_sessio
         assert {len(batch) for batch in batches[:-1]} == {resumed_batch}
 
 
+@slow
 @pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")  # a shard may have fewer units left
 def test_same_shard_count_with_another_tokenizer_pool_continues_each_shard_exactly(
     ray_session, variety_files, model_dir, reference

@@ -15,6 +15,7 @@ import ray
 from ingest import VerlCollate, build_dataset
 from ingest.demo import write_gsm8k_parquet
 from ingest.stats import RunLedger
+from tests.support.tiers import slow
 
 
 def _kill_one(marker: str, deadline: float) -> int | None:
@@ -27,6 +28,7 @@ def _kill_one(marker: str, deadline: float) -> int | None:
     return None
 
 
+@slow
 @pytest.mark.parametrize("actor", ["TokenizeActor"])
 def test_killed_actor_loses_and_repeats_nothing(ray_session, model_dir, tmp_path, actor):
     files = write_gsm8k_parquet(tmp_path / "data", 6000, num_files=2, row_group_size=200, long_every=50)

@@ -49,6 +49,7 @@ from ingest.errors import find_ingest_error
 from ingest.read.files import filesystem_for
 from ingest.stats import RunLedger
 from tests.support.s3 import moto_s3
+from tests.support.tiers import slow
 
 ROWS, LONG_EVERY = 2000, 50
 KEY, SECRET = "AKIAFAULTTESTKEY0001", "fault-test-secret-do-not-print"
@@ -230,6 +231,7 @@ class Outage:
         return None
 
 
+@slow
 def test_server_errors_for_a_while_lose_and_repeat_nothing(ray_session, proxy):
     """The first 3 data reads answer 500 InternalError: botocore retries each request (up to 5 attempts)."""
     policy = FirstN(3, ("error", 500, "InternalError", "We encountered an internal error. Please try again."))
@@ -238,6 +240,7 @@ def test_server_errors_for_a_while_lose_and_repeat_nothing(ray_session, proxy):
     assert_exactly_once(seen, counts)
 
 
+@slow
 def test_throttling_outage_is_ridden_out(ray_session, proxy):
     """Every data read answers 503 SlowDown for 4 s: more than botocore's 5 attempts on a request, so s3fs's
     ``SlowDown`` retry of the whole call takes over."""
@@ -249,6 +252,7 @@ def test_throttling_outage_is_ridden_out(ray_session, proxy):
     assert_exactly_once(seen, counts)
 
 
+@slow
 def test_stalled_endpoint_is_ridden_out(ray_session, proxy):
     """The first 4 data reads stall: two for 3 s (under the read timeout: slow answers), two for 6 s (over the 4 s
     read timeout set here: botocore retries the ``ReadTimeoutError``)."""
@@ -289,6 +293,7 @@ def assert_clear_store_error(exc: BaseException) -> SourceError:
     return err
 
 
+@slow
 def test_permanent_failure_fails_after_bounded_retries_with_a_clear_error(ray_session, proxy):
     """Strict policy, default client settings: the first unit whose read exhausts botocore's and s3fs's retries (5 x 5
     attempts, about 40 s) ends the run with one ``SourceError`` naming the file; neither key nor secret is in it."""
@@ -303,6 +308,7 @@ def test_permanent_failure_fails_after_bounded_retries_with_a_clear_error(ray_se
     print(f"permanent SlowDown, strict: failed {elapsed:.1f} s after the first error, {reads} data reads: {err}")
 
 
+@slow
 def test_permanent_failure_is_not_quarantined_as_bad_data(ray_session, proxy):
     """Default (quarantine) policy: an endpoint that keeps failing is not bad data. The run must stop with the same
     clear error, not quarantine every unit (each after its own retries) and report success. Botocore's

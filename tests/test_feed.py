@@ -19,6 +19,7 @@ from ingest.demo import write_gsm8k_parquet
 from ingest.feed import batch_to_numpy, batch_to_torch, split_for_rollout
 from tests.support.batches import collect
 from tests.support.compare import assert_same, assert_same_batches
+from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl_dataproto
 from tools.samples import write_geo3k_parquet
 
@@ -151,6 +152,7 @@ def _round_robin(refs, actors):
 # --- push model: iter_batch_refs ----------------------------------------------------------------------------------
 
 
+@slow
 def test_refs_from_the_live_pipeline_hold_verl_batches_in_order(ray_session, text_files, model_dir, text_batches):
     """The producer task runs the whole pipeline (not materialized): same batches, same order, as the driver's."""
     ds = build_dataset(text_files, model_dir, TEXT_CONFIG)
@@ -171,6 +173,7 @@ def test_numpy_refs_round_trip_to_the_collated_batch(ray_session, text_ds, text_
     assert [len(b["index"]) for b in map(ray.get, iter_batch_refs(text_ds, BATCH, drop_last=True))] == [BATCH] * 12
 
 
+@slow
 def test_rollout_actor_reads_numpy_payloads_zero_copy(ray_session, text_ds):
     actor = Rollout.remote()
     numpy_ref = next(iter(iter_batch_refs(text_ds, BATCH)))
@@ -235,6 +238,7 @@ def test_closing_the_iterator_early_cancels_the_producer(ray_session, text_ds):
     assert len(ray.get(first)["index"]) == 8  # refs already handed out stay valid
 
 
+@slow
 def test_push_round_robin_to_three_actors_covers_every_prompt_once(ray_session, text_ds):
     actors = [Rollout.remote() for _ in range(3)]
     assert _round_robin(iter_batch_refs(text_ds, BATCH), actors) == TEXT_ROWS
@@ -256,6 +260,7 @@ def test_bad_arguments_are_rejected(ray_session, text_ds):
 # --- pull model: streaming_split shards iterated inside the actors -------------------------------------------------
 
 
+@slow
 def test_pull_three_actors_equal_false_cover_every_prompt_once(ray_session, text_files, model_dir):
     # The live pipeline, executed by the split coordinator. Shards get whole blocks (one per read unit), so units
     # of 25 rows give all 3 actors work; with 2 units of 100 rows one actor would get none (no row lost either way).
@@ -268,6 +273,7 @@ def test_pull_three_actors_equal_false_cover_every_prompt_once(ray_session, text
     assert sorted(union) == list(range(TEXT_ROWS))
 
 
+@slow
 def test_pull_equal_true_drops_the_remainder_and_nothing_else(ray_session, text_ds):
     actors = [Rollout.remote() for _ in range(3)]
     shards = split_for_rollout(text_ds, 3, equal=True)

@@ -18,6 +18,7 @@ from ingest.config import DataConfig
 from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout, driver_keeps_epoch
 from ingest.demo import write_gsm8k_parquet
 from tests.support.cluster import ROOT, cluster_env, free_port, ingest_run_on, start_head, stop_cluster
+from tests.support.tiers import slow
 
 # joins the cluster at RAY_ADDRESS; per config: the pipeline's operators and the run's summary
 RUN_CONFIGS = """
@@ -114,6 +115,7 @@ print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, 
 """
 
 
+@slow
 @pytest.mark.parametrize("rows", ["text", "media"])
 def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(rows, model_dir, tmp_path):
     """On 2 CPUs (text: one tokenizer actor; media: the one pool) the driver makes every unit and no actor starts;
@@ -181,6 +183,7 @@ def _on_cluster(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@slow
 def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(
     geo3k_files, variety_files, model_dir, tmp_path
 ):
@@ -212,6 +215,7 @@ def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(
         stop_cluster(port)
 
 
+@slow
 def test_larger_cluster_and_gpu_vision_get_separate_pools(geo3k_files, variety_files, model_dir):
     port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")
     start_head(port, env, "--num-cpus=8", "--num-gpus=1")  # logical: layout and scheduling only, kernels on the CPU

@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.cluster import ROOT, cluster_env
+from tests.support.tiers import slow
 
 TEXT_CONFIG = {
     "shuffle": False,
@@ -179,6 +180,7 @@ def busy_driver_loss(model_dir, text_with_bad_rows, losses, tmp_path_factory) ->
     return {**result, "reference": _case(losses, "run")["reference"]}
 
 
+@slow
 def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(losses):
     result = _case(losses, "text")
     _lost_busy_nodes(result)
@@ -188,6 +190,7 @@ def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(losse
     assert rows == reference  # and each row equal, tensor for tensor
 
 
+@slow
 def test_image_rows_through_decode_and_vision_pools_survive_node_loss(losses):
     result = _case(losses, "images")
     _lost_busy_nodes(result)
@@ -197,6 +200,7 @@ def test_image_rows_through_decode_and_vision_pools_survive_node_loss(losses):
     assert rows == reference  # pixel values, grids and position ids included
 
 
+@slow
 def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_is_lost(losses):
     """``iter_batch_refs`` hands 16-row batches to three rollout stand-ins (``num_cpus=0`` actors pinned to the
     driver's node, so the consumers survive and only the data path is hit). After two batches are consumed, two
@@ -222,6 +226,7 @@ def test_batch_refs_reach_rollout_actors_exactly_once_after_the_producers_node_i
     assert got == expected  # and each row equal to the whole cluster's
 
 
+@slow
 def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(losses):
     """A shuffled ``PromptStream`` epoch: 8 batches (the first ones made in the driver, then the actors'), two
     workers lost, 4 more batches, ``state_dict()``; the stream is closed and a new one on the cluster that is left
@@ -236,6 +241,7 @@ def test_prompt_stream_state_taken_after_node_loss_resumes_exactly(losses):
     assert loss["before"] + loss["rest"] == reference  # none lost, none twice, in order, each row equal
 
 
+@slow
 def test_run_summary_and_quarantine_exact_after_node_loss(losses):
     result = _case(losses, "run")
     reference, loss = result["reference"], result["loss"]
@@ -249,6 +255,7 @@ def test_run_summary_and_quarantine_exact_after_node_loss(losses):
     assert loss["quarantine_rows"] == reference["quarantine_rows"] == 24  # one record per bad row, none twice
 
 
+@slow
 def test_the_runs_ledger_stays_on_the_drivers_node_and_the_run_finishes(busy_driver_loss):
     """``run_pipeline`` pins its ledger to the driver's node, even when that node is busy (its one CPU held, as a
     trainer's processes would hold it; unpinned, Ray then put the ledger on a worker): losing two workers leaves the

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from tests.support.cluster import cluster_env, free_port, ingest_run_on, start_head, stop_cluster
+from tests.support.tiers import slow
 
 ROWS = int(os.environ.get("INGEST_PRESSURE_ROWS", "240"))
 STORE_BYTES = 200_000_000
@@ -59,6 +60,7 @@ def _large_image_rows(out_dir, rows: int) -> list[str]:
     return files
 
 
+@slow
 def test_small_object_store_spills_reports_it_and_loses_nothing(model_dir, tmp_path):
     files = _large_image_rows(tmp_path, ROWS)
     port, env = free_port(), cluster_env(RAY_AUTH_MODE="disabled")

@@ -19,6 +19,7 @@ from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_media_rows
+from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import IMAGE_KINDS, encode_image, make_image
 
@@ -49,6 +50,7 @@ def _ours(files, model_dir, config, **extra):
     return collect(build_dataset(files, model_dir, {**config, "shuffle": False, **extra}, processor=model_dir), BATCH)
 
 
+@slow
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[str(c) for c in CONFIGS])
 def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm, index):
     expected = oracle_mm[index]
@@ -75,6 +77,7 @@ _FUSED_LAYOUTS = {
 }
 
 
+@slow
 @pytest.mark.parametrize("layout", list(_FUSED_LAYOUTS))
 def test_stages_in_fewer_pools_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm, layout):
     """``decode_pool_max_size`` / ``vision_pool_max_size`` 0: the same stages in fewer processes; verl's rows."""
@@ -88,6 +91,7 @@ def test_stages_in_fewer_pools_equal_verl(ray_session, geo3k_files, model_dir, o
     assert_same_batches(collect(ds, BATCH), expected["batches"])
 
 
+@slow
 def test_parity_data_covers_the_image_kinds(oracle_mm):
     rows = oracle_mm[2]["rows"]
     assert len(rows) > len(oracle_mm[0]["rows"]), "the 640-token filter should drop rows with big images"
@@ -98,12 +102,14 @@ def test_parity_data_covers_the_image_kinds(oracle_mm):
     assert len(IMAGE_KINDS) == 8
 
 
+@slow
 def test_gpu_vision_actor_is_schedulable_and_matches_cpu(ray_session, geo3k_files, model_dir):
     assert ray.cluster_resources().get("GPU", 0) >= 1
     config = {**CONFIGS[0], "vision_num_gpus": 0.5, "vision_pool_max_size": 1, "vision_device": "cpu"}
     assert_same_batches(_ours(geo3k_files, model_dir, config), _ours(geo3k_files, model_dir, CONFIGS[0]))
 
 
+@slow
 def test_jpegs_decoded_by_the_vision_actor_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm):
     """``vision_decode_jpeg_on_device``: baseline JPEGs skip the decode stage and are decoded in the (GPU-scheduled)
     vision actor on its device (torchvision's nvJPEG on cuda); on the CPU that is PIL: verl's rows."""
@@ -304,6 +310,7 @@ def _truncated_through_media_file(path):
 TRUNCATING = {"shuffle": False, "filter_overlong_prompts": False, "max_prompt_length": 160, "truncation": "right"}
 
 
+@slow
 def test_truncation_that_cuts_image_tokens_is_a_bad_row(ray_session, model_dir, tmp_path):
     """verl truncates a prompt through its image tokens and then fails in its rope index; here that row is quarantined
     (or raised) with its reason, and a row whose truncation cuts only text is kept with every image token."""
@@ -389,6 +396,7 @@ _DECODE_PLACES = {
 }
 
 
+@slow
 @pytest.mark.parametrize("place", list(_DECODE_PLACES))
 def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
     make, extra = _DECODE_PLACES[place]
@@ -409,6 +417,7 @@ def test_media_that_fails_to_decode_is_quarantined_and_counted(ray_session, mode
     assert '"index": 2' in records[1]["original"]
 
 
+@slow
 @pytest.mark.parametrize("kind", ["bad header or file", *_DECODE_PLACES])
 def test_bad_media_strict_raises_naming_file_and_row(ray_session, model_dir, tmp_path, kind):
     # row 1 is bad in every file: caught by the tokenize stage (header) or where the pixels are decoded
@@ -437,6 +446,7 @@ def test_vision_bench_pieces_run_the_vision_stage(ray_session, geo3k_files, mode
     assert jpegs and all(x[:2] == b"\xff\xd8" for x in jpegs)
 
 
+@slow
 def test_qwen25_vl_rows_equal_verl(ray_session, geo3k_files, model_dir, tmp_path_factory):
     """A Qwen2.5-VL processor (built offline: the embedded vocabulary, Qwen2.5-VL's class and pixel budget): verl
     0.5.0 takes its Qwen2-VL rope branch; every key equal, large images kept larger than Qwen2-VL's budget allows."""

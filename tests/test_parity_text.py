@@ -8,6 +8,7 @@ from ingest import BadRowError, build_dataset
 from ingest.errors import find_ingest_error
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
+from tests.support.tiers import first_fast
 from tools.oracle import oracle_available, run_verl
 
 pytestmark = pytest.mark.skipif(not oracle_available(), reason="verl 0.5.0 oracle not installed (make oracle)")
@@ -33,7 +34,7 @@ def oracle_runs(variety_files, model_dir, tmp_path_factory):
     return run_verl("rows", variety_files, model_dir, None, configs=configs, batch_size=BATCH)["runs"]
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[str(c) for c in CONFIGS])
+@pytest.mark.parametrize("index", first_fast(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS]))
 def test_rows_equal_verl(ray_session, variety_files, model_dir, oracle_runs, index):
     expected = oracle_runs[index]
     assert "error" not in expected, expected.get("error")

@@ -17,6 +17,7 @@ from ingest.tool_schemas import tool_schemas
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.templates import QWEN25_TEMPLATE, template_dir
+from tests.support.tiers import slow
 from tools.oracle import oracle_available
 
 BATCH = 8
@@ -88,6 +89,7 @@ def test_tool_files_verl_would_drop_are_errors(tmp_path):
         DataConfig(function_tool_path="tools.py", row_format="verl-0.9")
 
 
+@slow
 @pytest.mark.parametrize("row_format", ["verl-0.6", "verl-0.7", "verl-0.9"])
 def test_filter_with_tools_equals_verl(ray_session, tool_data, tmp_path, row_format):
     if not oracle_available(row_format):
@@ -113,6 +115,7 @@ TOOLS_BLOCK = (
 )
 
 
+@slow
 @pytest.mark.parametrize("row_format", ["verl-0.6", "verl-0.9"])
 def test_filter_with_tools_on_image_prompts_equals_verl(ray_session, geo3k_files, model_dir, tmp_path, row_format):
     """verl's processor path renders the image prompt with the tools where it measures it; ours adds the schemas'

@@ -17,6 +17,7 @@ from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_path_string_image_rows
+from tests.support.tiers import first_fast, slow
 from tools.oracle import oracle_available
 from tools.samples import (
     geo3k_rows,
@@ -53,7 +54,7 @@ def _verl(files, model_dir, configs: list[dict], cache, processor=None) -> list[
     return formats.verl(files, model_dir, configs, cache, ROW_FORMAT, BATCH, processor)
 
 
-@pytest.mark.parametrize("processor", [False, True], ids=["tokenizer", "processor"])
+@pytest.mark.parametrize("processor", first_fast([False, True], ids=["tokenizer", "processor"]))
 def test_text_rows_equal_verl_07(ray_session, variety_files, model_dir, tmp_path, processor):
     """Text prompts; with a processor verl 0.7.1 measures them through it (``processor(text=...)``)."""
     proc = model_dir if processor else None
@@ -69,6 +70,7 @@ def image_runs(geo3k_files, model_dir, tmp_path_factory):
     return _verl(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), processor=model_dir)
 
 
+@slow
 @pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
 def test_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, image_runs, index):
     """Every image kind (RGBA, L, P, CMYK, extreme sizes; several per row): the items are 0.9.1's, the filter
@@ -83,6 +85,7 @@ def test_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, image_run
         assert sum(len(b["index"]) for b in as_09) < 48  # the dialect decides, not the limit
 
 
+@slow
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_other_families_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
     """Qwen2.5-VL and Qwen3-VL processors built offline: 0.7.1 measures their image prompts through
@@ -96,6 +99,7 @@ def test_other_families_image_rows_equal_verl_07(ray_session, geo3k_files, model
     assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
 
 
+@slow
 def test_plain_image_struct_rows_equal_verl_07(ray_session, geo3k_files, model_dir, tmp_path):
     """Image structs read without an HF ``Image()`` feature: the items keep ``bytes`` and ``path`` beside
     ``Image.open``; the path-only structs (every 7th row) are quarantined here, dropped by verl 0.7.1's filter (its
@@ -112,6 +116,7 @@ def test_plain_image_struct_rows_equal_verl_07(ray_session, geo3k_files, model_d
     assert_same_batches(_ours(files, model_dir, config, processor=model_dir), expected["batches"])
 
 
+@slow
 def test_image_path_strings_refused_as_verl_07(ray_session, model_dir, tmp_path):
     """verl 0.7.1 takes no path-string image (``_build_messages`` raises TypeError): its filter drops every such row,
     its ``__getitem__`` raises without the filter. Ours quarantines them, naming file, row and reason, or raises."""
@@ -134,6 +139,7 @@ def test_image_path_strings_refused_as_verl_07(ray_session, model_dir, tmp_path)
     assert find_ingest_error(info.value).file == path
 
 
+@slow
 def test_audio_placeholder_is_text_in_verl_07(ray_session, model_dir, tmp_path):
     """``<audio>`` in a media prompt is text to verl 0.7.1 (0.9.1 makes it an audio item, which ours refuses)."""
     rows = geo3k_rows(8, seed=3)
@@ -151,6 +157,7 @@ def test_audio_placeholder_is_text_in_verl_07(ray_session, model_dir, tmp_path):
     assert any("<audio>" in text for text in texts)
 
 
+@slow
 def test_audio_column_passes_through_in_verl_07(ray_session, model_dir, tmp_path):
     """An ``audios`` column is a column like any other to verl 0.7.1 (0.9.1 pops it): its values stay in the rows."""
     rows = [{**row, "audios": ["clip.wav"] if i == 5 else None} for i, row in enumerate(gsm8k_rows(16, variety=True))]
@@ -163,6 +170,7 @@ def test_audio_column_passes_through_in_verl_07(ray_session, model_dir, tmp_path
     assert list(ours[0]["audios"][:6]) == [None] * 5 + [["clip.wav"]]
 
 
+@slow
 @pytest.mark.parametrize(
     "family,kind,limit", [("qwen2-vl", "frames", 40), ("qwen2-vl", "file", 2048), ("qwen3-vl", "frames", 40)]
 )

@@ -19,6 +19,7 @@ from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_path_string_image_rows
+from tests.support.tiers import first_fast, slow
 from tools.oracle import OracleServer, oracle_available
 from tools.samples import (
     geo3k_rows,
@@ -87,7 +88,7 @@ def text_runs(variety_files, model_dir, tmp_path_factory):
     return _verl(variety_files, model_dir, TEXT_CONFIGS, tmp_path_factory.mktemp("verl-cache"))
 
 
-@pytest.mark.parametrize("index", range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS])
+@pytest.mark.parametrize("index", first_fast(range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS]))
 def test_text_rows_equal_verl_09(ray_session, variety_files, model_dir, text_runs, index):
     expected = text_runs[index]
     assert "error" not in expected, expected.get("error")
@@ -101,6 +102,7 @@ def text_runs_08(variety_files, model_dir, tmp_path_factory):
     return _verl_08(variety_files, model_dir, TEXT_CONFIGS, tmp_path_factory.mktemp("verl08-cache"))
 
 
+@slow
 @requires_verl_08
 @pytest.mark.parametrize("index", range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS])
 def test_text_rows_equal_verl_08(ray_session, variety_files, model_dir, text_runs_08, index):
@@ -110,6 +112,7 @@ def test_text_rows_equal_verl_08(ray_session, variety_files, model_dir, text_run
     assert_same_batches(_ours(variety_files, model_dir, TEXT_CONFIGS[index]), expected["batches"])
 
 
+@slow
 def test_rows_without_or_with_null_extra_info_equal_verl_09(ray_session, model_dir, tmp_path):
     rows = gsm8k_rows(40, variety=True, long_every=9)
     without = [{k: v for k, v in row.items() if k != "extra_info"} for row in rows]
@@ -122,6 +125,7 @@ def test_rows_without_or_with_null_extra_info_equal_verl_09(ray_session, model_d
         assert_same_batches(_ours([str(path)], model_dir, TEXT_CONFIGS[0]), expected["batches"])
 
 
+@slow
 def test_audio_column_leaves_the_rows_as_in_verl_09(ray_session, model_dir, tmp_path):
     """verl 0.9.1 pops its ``audio_key`` column from every row; a row with audio it makes audio items of (or asserts,
     without ``<audio>`` placeholders): ours builds no audio prompts, so that row is bad, named by file, row and
@@ -152,6 +156,7 @@ def image_runs(geo3k_files, model_dir, tmp_path_factory):
     return _verl(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl-cache"), processor=model_dir)
 
 
+@slow
 @pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
 def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_runs, index):
     """Every image kind (RGBA, L, P, CMYK, extreme sizes; several per row): RGB PIL images in the content items, the
@@ -167,6 +172,7 @@ def image_runs_08(geo3k_files, model_dir, tmp_path_factory):
     return _verl_08(geo3k_files, model_dir, IMAGE_CONFIGS, tmp_path_factory.mktemp("verl08-cache"), processor=model_dir)
 
 
+@slow
 @requires_verl_08
 @pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
 def test_image_rows_equal_verl_08(ray_session, geo3k_files, model_dir, image_runs_08, index):
@@ -210,6 +216,7 @@ def plain_struct_runs(plain_struct_files, model_dir, tmp_path_factory):
     )
 
 
+@slow
 @pytest.mark.parametrize("index", range(2), ids=[str(c) for c in IMAGE_CONFIGS[:2]])
 def test_plain_image_struct_rows_equal_verl_09(ray_session, plain_struct_files, model_dir, plain_struct_runs, index):
     """Image structs read without an HF ``Image()`` feature: verl 0.9.1's items keep the struct's ``bytes`` and
@@ -232,6 +239,7 @@ def plain_struct_runs_08(plain_struct_files, model_dir, tmp_path_factory):
     return _verl_08(plain_struct_files, model_dir, IMAGE_CONFIGS[:2], cache, processor=model_dir)
 
 
+@slow
 @requires_verl_08
 @pytest.mark.parametrize("index", range(2), ids=[str(c) for c in IMAGE_CONFIGS[:2]])
 def test_plain_image_struct_rows_equal_verl_08(ray_session, plain_struct_files, model_dir, plain_struct_runs_08, index):
@@ -244,6 +252,7 @@ def test_plain_image_struct_rows_equal_verl_08(ray_session, plain_struct_files, 
     assert_same_batches(ours, expected["batches"])
 
 
+@slow
 def test_plain_image_struct_rows_without_the_filter_equal_verl_09(
     ray_session, plain_struct_files, model_dir, plain_struct_runs, tmp_path
 ):
@@ -285,6 +294,7 @@ def test_plain_image_struct_rows_without_the_filter_equal_verl_09(
     assert {tuple(item) for item in _image_items(ours)} == {("type", "path", "bytes", "image")}
 
 
+@slow
 def test_image_path_strings_equal_verl_09(ray_session, model_dir, tmp_path):
     """Image values as plain path strings: verl 0.9.1's item holds the path string (``os.fspath``), with the filter
     on and off. Not run against verl 0.8.0: its ``__getitem__`` raises TypeError on a path string and its filter
@@ -299,6 +309,7 @@ def test_image_path_strings_equal_verl_09(ray_session, model_dir, tmp_path):
         assert all(isinstance(item["image"], str) for item in _image_items(ours))
 
 
+@slow
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_other_families_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
     """Qwen2.5-VL (a larger pixel budget) and Qwen3-VL (patch 16: qwen-vl-utils resizes by 32, then its processor)
@@ -312,6 +323,7 @@ def test_other_families_image_rows_equal_verl_09(ray_session, geo3k_files, model
         assert_same_batches(_ours(geo3k_files, model, config, processor=model), expected["batches"])
 
 
+@slow
 @pytest.mark.parametrize("kind,limit", [("frames", 700), ("file", 600)])
 def test_qwen3_vl_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kind, limit):
     """Qwen3-VL video prompts, measured from headers: qwen-vl-utils sizes by the patch of 16 verl passes, the video
@@ -326,6 +338,7 @@ def test_qwen3_vl_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kin
     assert_same_batches(_ours(files, model, config, processor=model), expected["batches"])
 
 
+@slow
 @pytest.mark.parametrize(
     "kind,with_images,limit", [("frames", False, 700), ("file", False, 1100), ("frames", True, 2048)]
 )

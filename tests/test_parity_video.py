@@ -14,6 +14,7 @@ from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import good_and_cut_video_files, needs_torchcodec, write_media_rows
+from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import make_video_file, write_video_parquet
 
@@ -39,6 +40,7 @@ def video_runs(model_dir, tmp_path_factory):
     return runs
 
 
+@slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_video_rows_equal_verl(ray_session, model_dir, video_runs, name):
     files, config, expected = video_runs[name]
@@ -57,6 +59,7 @@ _VIDEO_IN_VISION_ACTOR = {
 }
 
 
+@slow
 @pytest.mark.parametrize("decoder", ["auto", "torchcodec"])
 def test_video_files_decoded_by_the_vision_actor_equal_verl(ray_session, model_dir, video_runs, decoder):
     """``vision_decode_video_on_device``: video files skip the decode stage and are decoded in the vision actor; with
@@ -120,6 +123,7 @@ _VIDEO_DECODE_PLACES = {
 }
 
 
+@slow
 @pytest.mark.parametrize("place", list(_VIDEO_DECODE_PLACES))
 def test_video_file_that_fails_to_decode_is_quarantined_and_counted(ray_session, model_dir, tmp_path, place):
     if "torchcodec" in place:
@@ -138,6 +142,7 @@ def test_video_file_that_fails_to_decode_is_quarantined_and_counted(ray_session,
     assert all("fewer frames than its header says" in r["reason"] for r in records)
 
 
+@slow
 def test_video_file_that_fails_to_decode_in_the_vision_actor_raises_naming_file_and_row(
     ray_session, model_dir, tmp_path
 ):
@@ -149,6 +154,7 @@ def test_video_file_that_fails_to_decode_in_the_vision_actor_raises_naming_file_
     assert (err.file, err.row, err.column) == (path, 1, "videos") and err.reason.startswith("bad video: ")
 
 
+@slow
 def test_video_data_covers_the_cases(video_runs):
     frames_rows = video_runs["frames"][2]["rows"]
     assert len(frames_rows) < 12, "the frame-list limit should filter some rows"
@@ -194,6 +200,7 @@ def test_bad_videos_are_quarantined_and_counted(ray_session, model_dir, tmp_path
     assert isinstance(batches[0]["multi_modal_inputs"][0]["pixel_values_videos"], torch.Tensor)
 
 
+@slow
 def test_video_frame_that_fails_to_decode_is_quarantined(ray_session, model_dir, tmp_path):
     """A frame whose header reads (the tokenize stage plans the video) but whose data do not decode: the decode
     stage quarantines the row, and the counts still add up."""

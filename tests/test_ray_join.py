@@ -23,6 +23,7 @@ import pytest
 from ingest.datasets.pools import RayJoinError, check_ray_address, ray_address_to_join
 from ingest.errors import IngestError
 from tests.support.cluster import ROOT, cluster_env
+from tests.support.tiers import slow
 
 LIMIT_S = 30  # the promise: an error within this, never a hang (timed inside the process: Python's own start-up
 # under a loaded test machine is not the wait being promised away)
@@ -132,6 +133,7 @@ def test_prompt_stream_to_a_dead_address_raises_after_its_first_batches(ray_tmpd
     assert result["batches"] >= 1
 
 
+@slow
 def test_a_process_exiting_while_its_cluster_starts_lets_the_start_finish(ray_tmpdir):
     """A small epoch can end in the driver before its cluster is up; the process then exits while ``ray.init`` runs
     in the starter thread. Ray's exit handler shutting the cluster down beside that start could make the process abort
@@ -208,6 +210,7 @@ def test_recorded_live_cluster_is_joined(ray_session, ray_tmpdir):
     assert result.get("joined") == gcs_address, result
 
 
+@slow
 def test_nothing_recorded_starts_a_local_cluster(ray_session, ray_tmpdir):
     result = run_ensure_ray(ray_tmpdir)
     assert "joined" in result and result["joined"] != ray_session.get_runtime_context().gcs_address, result

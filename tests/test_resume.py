@@ -17,6 +17,7 @@ from ingest.config import DataConfig
 from ingest.datasets.plan import plan_input
 from ingest.resumable import epoch_fingerprint
 from ingest.stats import RunLedger
+from tests.support.tiers import first_fast, slow
 
 CONFIG = {"truncation": "left", "shuffle": True, "seed": 11, "read_rows_per_task": 30}
 BATCH = 16
@@ -142,6 +143,7 @@ def test_a_stream_goes_on_into_an_epoch_with_another_number_of_units(ray_session
         batches.close()
 
 
+@slow
 def test_killed_consumer_resumes_without_loss_or_repeats(ray_session, variety_files, model_dir, full_epoch, tmp_path):
     worker = Path(__file__).parent / "support" / "resume_worker.py"
     spec = {
@@ -175,6 +177,7 @@ _DRIVER_FIRST = """
 import pickle, sys
 import ray
 from ingest import PromptStream, VerlCollate, build_dataset
+
 files, model, processor, config, out = pickle.loads(bytes.fromhex(sys.argv[1]))
 collate = VerlCollate(row_format=config["row_format"])
 stream = iter(PromptStream(files, model, config, 16, processor, collate_fn=collate))
@@ -187,7 +190,7 @@ with open(out, "wb") as f:
 """
 
 
-@pytest.mark.parametrize("row_format,media", [("verl-0.5", False), ("verl-0.5", True), ("verl-0.9", True)])
+@pytest.mark.parametrize("row_format,media", first_fast([("verl-0.5", False), ("verl-0.5", True), ("verl-0.9", True)]))
 def test_first_batch_is_made_in_the_driver_before_ray_starts(
     variety_files, geo3k_files, model_dir, tmp_path, row_format, media
 ):

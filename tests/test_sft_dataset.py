@@ -40,6 +40,7 @@ from tests.support.conversations import (
     random_conversations,
     random_text,
 )
+from tests.support.tiers import slow
 
 BASE = {"shuffle": False}
 
@@ -412,6 +413,7 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
         assert row["input_ids"].count(IMAGE_PAD) == sum(p.length for p in seq.multi_modal_data["image"].placeholders)
 
 
+@slow
 def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_dir, tmp_path, vl_renderer):
     rng = random.Random(9)
     images = [encoded_image(rng, "png"), encoded_image(rng, "jpeg")]
@@ -497,6 +499,7 @@ def _byt5_chatml():
     return tokenizer
 
 
+@slow
 def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
     ray_session, model_dir, text_files, text_conversations, tmp_path, monkeypatch
 ):

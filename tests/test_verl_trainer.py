@@ -14,6 +14,7 @@ from ingest.demo import write_gsm8k_parquet
 from ingest.verl import IngestDataset, VerlDataLoader
 from ingest.verl.dataset import CUSTOM_CLS
 from ingest.verl.length import CACHE_FILE
+from tests.support.tiers import first_fast, slow
 from tools.oracle import oracle_available, run_verl
 
 BATCH, EPOCHS, SAVE_AFTER = 8, 2, 5
@@ -53,7 +54,7 @@ def _data_config(train, val, row_format, cache_dir) -> dict:
     }
 
 
-@pytest.mark.parametrize("row_format", ["verl-0.5", "verl-0.6", "verl-0.7", "verl-0.9"])
+@pytest.mark.parametrize("row_format", first_fast(["verl-0.5", "verl-0.6", "verl-0.7", "verl-0.9"]))
 def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir, tmp_path, row_format):
     if not oracle_available(row_format):
         pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
@@ -98,6 +99,7 @@ def test_adapter_in_verls_own_trainer_code(ray_session, trainer_data, model_dir,
     assert ("sampler.update" in result["sampler_lines"]) == (row_format != "verl-0.9")  # ran after every step
 
 
+@slow
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp_path, mode):
     """verl 0.9.1's default trainer (``trainer.use_v1``). ``sync`` fetches ``train_batch_size`` prompts per step;

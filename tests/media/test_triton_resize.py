@@ -17,6 +17,7 @@ import pytest
 from ingest.config import DataConfig
 from ingest.media.device import resize_kernel
 from ingest.stages.vision import VisionStage
+from tests.support.tiers import slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,7 @@ print("ok", len(shapes), "images")
 """
 
 
+@slow
 def test_interpreted_triton_resize_gives_the_cpu_kernels_patches(tmp_path):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -90,6 +92,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import create_function_from_signature
 from ingest.media import _triton_kernels as kernels
 from ingest.media.triton_resize import BLOCK, PARAMS
+
 
 pointers = {"table": "*i32", "starts": "*i32", "images": "i32", "axes": "*i32", "weights": "*i32"}
 for fn, images, extra in (
