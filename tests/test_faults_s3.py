@@ -215,17 +215,18 @@ class FirstN:
 
 
 class Outage:
-    """Every data read answers ``action`` for ``seconds`` after the first data read."""
+    """Every data read answers ``action`` for ``seconds`` after the first data read, and at least the first
+    ``min_hits`` (on a loaded machine fewer reads than that can come in the time)."""
 
-    def __init__(self, seconds: float, action: tuple):
-        self.seconds, self.action, self.started, self.hits = seconds, action, None, 0
+    def __init__(self, seconds: float, action: tuple, min_hits: int = 0):
+        self.seconds, self.action, self.min_hits, self.started, self.hits = seconds, action, min_hits, None, 0
 
     def __call__(self, request):
         if not request["data"]:
             return None
         now = time.monotonic()
         self.started = self.started or now
-        if now - self.started < self.seconds:
+        if now - self.started < self.seconds or self.hits < self.min_hits:
             self.hits += 1
             return self.action
         return None
@@ -242,9 +243,9 @@ def test_server_errors_for_a_while_lose_and_repeat_nothing(ray_session, proxy):
 
 @slow
 def test_throttling_outage_is_ridden_out(ray_session, proxy):
-    """Every data read answers 503 SlowDown for 4 s: more than botocore's 5 attempts on a request, so s3fs's
-    ``SlowDown`` retry of the whole call takes over."""
-    policy = Outage(4.0, ("error", 503, "SlowDown", "Please reduce your request rate."))
+    """Every data read answers 503 SlowDown for 4 s, and the first 5 at least: botocore's 5 attempts on a request all
+    fail, so s3fs's ``SlowDown`` retry of the whole call takes over."""
+    policy = Outage(4.0, ("error", 503, "SlowDown", "Please reduce your request rate."), min_hits=5)
     started = time.monotonic()
     seen, counts = run_through(proxy, policy, options(proxy))
     assert policy.hits >= 5, policy.hits
