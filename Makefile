@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
-# --durations: every run prints its slowest tests, so the tiers' budgets (10 and 30 minutes of pytest) can be kept.
+# --durations: every run prints its slowest tests, so the tiers' budgets can be kept (the fast one: 10 minutes).
 PYTEST := LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
 
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for

@@ -1,5 +1,5 @@
-"""The two test tiers: ``make test`` runs what is not marked ``slow`` (at most 10 minutes), ``make test-all`` runs
-everything (at most 30). A parametrized test keeps its first case in the fast tier with ``first_fast``."""
+"""The two test tiers: ``make test`` runs what is not marked ``slow`` (its budget: 10 minutes of pytest on 2 cores),
+``make test-all`` runs everything. A parametrized test keeps its first case in the fast tier with ``first_fast``."""
 
 from __future__ import annotations
 
