@@ -77,6 +77,16 @@ def _lost_busy_nodes(result: dict) -> None:
     assert nodes["removed"] == 2 and nodes["busy_cpus_removed"] > 0, nodes
 
 
+def _same_rows_after_loss(result: dict, n: int) -> None:
+    """The loss hit the pipeline, and the stream still gave rows 0..n-1 once each, in input order, each equal to the
+    reference pass's."""
+    _lost_busy_nodes(result)
+    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
+    assert [i for i, _ in reference] == list(range(n))
+    assert [i for i, _ in rows] == list(range(n))
+    assert rows == reference
+
+
 @pytest.fixture(scope="module")
 def text_with_bad_rows(tmp_path_factory) -> list[str]:
     """1,200 gsm8k rows over 3 files: every 23rd prompt overlong (filtered), every 50th an empty message list
@@ -182,22 +192,12 @@ def busy_driver_loss(model_dir, text_with_bad_rows, losses, tmp_path_factory) ->
 
 @slow
 def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(losses):
-    result = _case(losses, "text")
-    _lost_busy_nodes(result)
-    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
-    assert [i for i, _ in reference] == list(range(1200))
-    assert [i for i, _ in rows] == list(range(1200))  # every row once, in input order
-    assert rows == reference  # and each row equal, tensor for tensor
+    _same_rows_after_loss(_case(losses, "text"), 1200)  # each row equal, tensor for tensor
 
 
 @slow
 def test_image_rows_through_decode_and_vision_pools_survive_node_loss(losses):
-    result = _case(losses, "images")
-    _lost_busy_nodes(result)
-    reference, rows = result["reference"]["rows"], result["loss"]["rows"]
-    assert [i for i, _ in reference] == list(range(96))
-    assert [i for i, _ in rows] == list(range(96))
-    assert rows == reference  # pixel values, grids and position ids included
+    _same_rows_after_loss(_case(losses, "images"), 96)  # pixel values, grids and position ids included
 
 
 @slow

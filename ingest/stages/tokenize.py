@@ -197,17 +197,16 @@ class PromptTokenizeStage:
         except Exception as exc:
             bad.add(i, f"chat template failed: {type(exc).__name__}: {exc}")
             return row
-        if images is not None:
+        media = (("image", images, self._read_images, self.config.image_key),)
+        media += (("video", videos, self._probe_videos, self.config.video_key),)
+        for kind, values, read, column in media:
+            if values is None:
+                continue
             try:
-                self._read_images(row, images)
+                read(row, values)
             except Exception as exc:
-                bad.add(i, redact(f"bad image: {type(exc).__name__}: {exc}", self._secrets), self.config.image_key)
+                bad.add(i, redact(f"bad {kind}: {type(exc).__name__}: {exc}", self._secrets), column)
                 return row
-        if videos is not None:
-            try:
-                self._probe_videos(row, videos)
-            except Exception as exc:
-                bad.add(i, redact(f"bad video: {type(exc).__name__}: {exc}", self._secrets), self.config.video_key)
         return row
 
     def _read_images(self, row: PromptRow, images: list) -> None:
