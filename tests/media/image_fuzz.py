@@ -225,7 +225,8 @@ def _flip_bits(data: bytes, rng: random.Random, start: int = 0, end: int | None 
     return bytes(out)
 
 
-def png_truncate(data: bytes, rng: random.Random) -> bytes:
+def truncate(data: bytes, rng: random.Random) -> bytes:
+    """Cut anywhere (mostly), or just a few bytes short of the end; PNGs and JPEGs alike."""
     return data[: rng.randrange(len(data))] if rng.random() < 0.7 else data[: max(0, len(data) - rng.randint(1, 24))]
 
 
@@ -249,7 +250,7 @@ def png_length(data: bytes, rng: random.Random) -> bytes:
     chunks = png_chunks(data)
     whole = [i for i, c in enumerate(chunks) if c[0] is not None]
     if not whole:
-        return png_truncate(data, rng)
+        return truncate(data, rng)
     position = 8 + sum(12 + len(c[1]) for c in chunks[: rng.choice(whole)])
     (length,) = struct.unpack_from(">I", data, position)
     length = rng.choice([0, 1, length - 1, length + 1, length + rng.randint(2, 64), 2**31 - 1, 2**32 - 1, length // 2])
@@ -419,7 +420,7 @@ def png_stream(data: bytes, rng: random.Random) -> bytes:
 
 
 PNG_MUTATIONS = [
-    png_truncate,
+    truncate,
     png_flip,
     png_flip_payload,
     png_length,
@@ -455,10 +456,6 @@ def jpeg_segments(data: bytes) -> list[tuple[int, int]]:
         if marker == 0xDA:
             break
     return segments
-
-
-def jpeg_truncate(data: bytes, rng: random.Random) -> bytes:
-    return data[: rng.randrange(len(data))] if rng.random() < 0.7 else data[: max(0, len(data) - rng.randint(1, 24))]
 
 
 def jpeg_flip(data: bytes, rng: random.Random) -> bytes:
@@ -581,7 +578,7 @@ def jpeg_restart_interval(data: bytes, rng: random.Random) -> bytes:
 
 
 JPEG_MUTATIONS = [
-    jpeg_truncate,
+    truncate,
     jpeg_flip,
     jpeg_flip_scan,
     jpeg_flip_header,
