@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .oracle-0.8/.installed .oracle-0.9/.installed
 
-.PHONY: install oracle demo test test-all lint bench clean
+.PHONY: install oracle demo test test-all test-envs lint bench clean
 
 $(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/media/_resize.c
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PYTEST) --durations=25 tests
 
+# The environment matrix: this package's wheel installed with plain pip into each verl release's own environment
+# (requirements/envs/), which it must leave unchanged, then that release's parity, trainer and launcher tests there.
+test-envs: $(STAMP)
+	$(PY) -m tools.envs
+
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PY) -m ruff format --check ingest actors tests tools
@@ -59,4 +64,4 @@ bench: $(STAMP) .oracle/.installed
 	$(PY) -m ingest bench text --rows 20000 200000
 
 clean:
-	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.7 .oracle-0.8 .oracle-0.9 out
+	rm -rf $(VENV) .oracle .oracle-0.6 .oracle-0.7 .oracle-0.8 .oracle-0.9 .envs dist out

@@ -6,6 +6,10 @@ Each verl release is the oracle of its own row format. verl 0.5.0 and 0.6.1 need
 pyarrow and PIL. A release installed alone (``ORACLE_BASES``) runs with its directory in front of 0.9.1's, whose
 transformers 5.9 and the rest it reuses: verl 0.7.1 (``.oracle-0.7/``), the oracle of ``verl-0.7``, and verl 0.8.0
 (``.oracle-0.8/``), another release of ``verl-0.9``'s line and a second oracle of it.
+
+In the environment matrix (``tools/envs.py``) verl is installed in the test environment itself, as users install it:
+with ``INGEST_ORACLE_INSTALLED=1`` that verl is the oracle of its own release's row format, run with no directory in
+front of ``PYTHONPATH``, and the other oracles count as not installed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ ORACLE_DIRS = {
 }
 # a release installed alone (no transformers of its own) -> the oracle whose directory goes behind its own
 ORACLE_BASES = {"verl-0.7": "verl-0.9", "verl-0.8.0": "verl-0.9"}
+INSTALLED_ENV = "INGEST_ORACLE_INSTALLED"  # "1": this environment's own verl is the oracle (no overlay)
+# a verl release series -> the oracle it is (its row format, or the release for another release of a format's line)
+RELEASE_ORACLES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.7": "verl-0.7", "0.8": "verl-0.8.0", "0.9": "verl-0.9"}
+
+
+def installed_oracle() -> str | None:
+    """With ``INGEST_ORACLE_INSTALLED=1``, the oracle the verl installed in this environment is; else None."""
+    if os.environ.get(INSTALLED_ENV) != "1":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("verl")
+    except PackageNotFoundError:
+        return None
+    return RELEASE_ORACLES.get(".".join(release.split(".")[:2]))
 
 
 def oracle_dir(row_format: str = "verl-0.5") -> Path:
@@ -46,12 +66,17 @@ def oracle_dir(row_format: str = "verl-0.5") -> Path:
 
 
 def oracle_path(row_format: str = "verl-0.5") -> list[Path]:
-    """The directories the oracle ``row_format`` runs with, first first: its own, then its base's (if it has one)."""
+    """The directories the oracle ``row_format`` runs with, first first: its own, then its base's (if it has one);
+    none for the installed oracle."""
+    if os.environ.get(INSTALLED_ENV) == "1":
+        return []
     base = ORACLE_BASES.get(row_format)
     return [oracle_dir(row_format), *(oracle_path(base) if base else [])]
 
 
 def oracle_available(row_format: str = "verl-0.5") -> bool:
+    if os.environ.get(INSTALLED_ENV) == "1":
+        return installed_oracle() == row_format
     return all((d / "verl" / "utils" / "dataset" / "rl_dataset.py").is_file() for d in oracle_path(row_format))
 
 
@@ -60,7 +85,8 @@ def oracle_environment(row_format: str, scratch: Path) -> dict[str, str]:
     front of ``PYTHONPATH``; ``scratch`` holds its HF datasets cache."""
     env = dict(os.environ)
     dirs = [str(d) for d in oracle_path(row_format)]
-    env["PYTHONPATH"] = os.pathsep.join([*dirs, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if dirs:
+        env["PYTHONPATH"] = os.pathsep.join([*dirs, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env[ORACLE_PATH_ENV] = os.pathsep.join(dirs)  # the runner checks that verl and transformers come from them
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # qwen-vl-utils reads videos with torchcodec whenever it is installed (a test requirement here): the oracle

@@ -306,6 +306,9 @@ def _check_oracle_transformers() -> None:
     import transformers
     import verl
 
+    if os.environ.get("INGEST_ORACLE_INSTALLED") == "1":  # the environment matrix: verl and transformers installed here
+        assert not os.environ.get("INGEST_ORACLE_PATH"), os.environ["INGEST_ORACLE_PATH"]
+        return
     # the oracle's directories, its own first (INGEST_ORACLE_PATH, set by oracle_environment), else PYTHONPATH's first
     oracle_dirs = [os.path.realpath(d) for d in os.environ.get("INGEST_ORACLE_PATH", "").split(os.pathsep) if d]
     oracle_dirs = oracle_dirs or [os.path.realpath(os.environ["PYTHONPATH"].split(os.pathsep)[0])]

@@ -1,0 +1,160 @@
+"""The environment matrix: ray-ingest installed, as a wheel, into the environment each verl release's users run.
+
+For each ``requirements/envs/<name>.txt`` (a verl release with the versions its own images or setup.py pin):
+1. a venv ``.envs/<name>`` gets that file installed, as a user's verl environment would be;
+2. this repository's wheel goes in with plain ``pip install``; every package the venv had keeps its version, or the
+   entry fails (pip's report names what the wheel would have changed);
+3. that release's parity tests, its trainer code with ``VerlDataLoader`` and ``python -m ingest.verl.main_ppo`` run
+   in the venv, from a copy of ``tests/`` and ``tools/`` without ``ingest/`` (so the wheel is what they import), with
+   the venv's own verl as the oracle (``INGEST_ORACLE_INSTALLED=1``; tools/oracle).
+
+Usage: ``python -m tools.envs [NAME ...]`` (all entries by default); ``make test-envs`` runs it. A venv is rebuilt
+only when its requirements file changed; pip's cache keeps the wheels between entries and runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = ROOT / "requirements" / "envs"
+VENVS = ROOT / ".envs"
+DIST = ROOT / "dist"
+# entry -> the test modules it runs: its release's parity tests (each skips what another release's oracle checks),
+# the trainer code with VerlDataLoader, and verl's launcher through python -m ingest.verl.main_ppo
+COMMON = ["tests/test_parity_tools.py", "tests/test_verl_trainer.py", "tests/test_verl_launcher.py"]
+TESTS = {
+    "verl-0.5": ["tests/test_parity_text.py", "tests/test_parity_multimodal.py", "tests/test_parity_video.py"],
+    "verl-0.6": ["tests/test_parity_verl06.py"],
+    "verl-0.7": ["tests/test_parity_verl07.py"],
+    "verl-0.9": ["tests/test_parity_verl09.py"],
+}
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def build_wheel() -> Path:
+    """The wheel and sdist of this checkout (``python -m build``), built once per run."""
+    shutil.rmtree(DIST, ignore_errors=True)
+    run([sys.executable, "-m", "build", "--outdir", DIST, ROOT], stdout=subprocess.DEVNULL)
+    wheels = sorted(DIST.glob("ray_ingest-*.whl"))
+    assert wheels and sorted(DIST.glob("ray_ingest-*.tar.gz")), sorted(DIST.iterdir())
+    return wheels[0]
+
+
+def installed(python: Path) -> dict[str, str]:
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], check=True, capture_output=True, text=True)
+    return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listed.stdout)}
+
+
+def user_environment(name: str) -> tuple[Path, dict[str, str]]:
+    """The venv of entry ``name`` with its requirements installed, and the versions it had before ray-ingest."""
+    requirements = ENTRIES / f"{name}.txt"
+    venv = VENVS / name
+    python = venv / "bin" / "python"
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    stamp = venv / "user-environment.json"
+    if stamp.is_file() and json.loads(stamp.read_text())["requirements"] == digest:
+        return python, json.loads(stamp.read_text())["installed"]
+    shutil.rmtree(venv, ignore_errors=True)
+    run([sys.executable, "-m", "venv", venv])
+    run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
+    run([python, "-m", "pip", "install", "-q", "-r", requirements])
+    versions = installed(python)
+    stamp.write_text(json.dumps({"requirements": digest, "installed": versions}))
+    return python, versions
+
+
+def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str]:
+    """Install ``wheel`` as a user would (plain pip, dependencies resolved); the packages whose version it changed."""
+    report = python.parent.parent / "wheel-install.json"
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"])
+    run([python, "-m", "pip", "install", "-q", "--report", report, wheel])
+    after = installed(python)
+    return [f"{p} {v} -> {after.get(p, 'removed')}" for p, v in sorted(before.items()) if after.get(p) != v]
+
+
+def copy_tests(name: str) -> Path:
+    """``tests/`` and ``tools/`` (and pytest's settings) without ``ingest/``: the tests then import the wheel."""
+    work = VENVS / name / "checkout"
+    shutil.rmtree(work, ignore_errors=True)
+    for folder in ("tests", "tools"):
+        shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+    return work
+
+
+def smoke_run(python: Path, work: Path) -> str | None:
+    """``python -m ingest run`` on 2,000 sample rows in the venv, as a user's first run: None when it ran and its
+    summary has every figure (the object store's too), else what went wrong."""
+    data = work / "smoke"
+    write = f"from ingest.demo import write_gsm8k_parquet; write_gsm8k_parquet({str(data / 'in')!r}, 2000, num_files=2)"
+    env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache")}
+    subprocess.run([python, "-c", write], check=True, cwd=work, env=env)
+    summary = data / "summary.json"
+    cmd = [python, "-m", "ingest", "run", "--files", data / "in", "--summary-json", summary]
+    done = subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return f"python -m ingest run failed: {done.stderr[-2000:]}"
+    figures = json.loads(summary.read_text())
+    if figures.get("object_store") is None:
+        return "python -m ingest run: the object store figures are unknown"
+    if figures["rows_in"] != 2000:
+        return f"python -m ingest run read {figures['rows_in']} rows, not 2000"
+    return None
+
+
+def run_tests(name: str, python: Path, work: Path) -> dict[str, int]:
+    """The entry's tests in its venv; the counts of its junit report."""
+    junit = work / "junit.xml"
+    # a cache of its own: the offline tokenizer is built by this venv's transformers, from the installed package
+    env = {**os.environ, "INGEST_ORACLE_INSTALLED": "1", "XDG_CACHE_HOME": str(work / "cache")}
+    env.pop("PYTHONPATH", None)
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rs"]
+    subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON]], cwd=work, env=env)
+    suite = ElementTree.parse(junit).getroot().find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", default=sorted(TESTS), choices=sorted(TESTS), metavar="NAME")
+    args = parser.parse_args(argv)
+    wheel = build_wheel()
+    results, failed = [], False
+    for name in args.names:
+        started = time.monotonic()
+        python, before = user_environment(name)
+        built = time.monotonic() - started
+        changed = install_wheel(python, wheel, before)
+        work = copy_tests(name)
+        smoke = None if changed else smoke_run(python, work)
+        counts = run_tests(name, python, work) if not changed else {}
+        ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
+        failed |= not ok
+        results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
+    print("\nenvironment matrix (ray-ingest wheel installed into each verl environment):")
+    for name, ok, changed, smoke, counts, built, total in results:
+        verdict = "ok" if ok else "FAILED"
+        detail = f"changed {', '.join(changed)}" if changed else ", ".join(f"{v} {k}" for k, v in counts.items())
+        detail += f"; {smoke}" if smoke else "; python -m ingest run ok"
+        print(f"  {name:9} {verdict:6} {detail}  (venv {built:.0f} s, total {total:.0f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
