@@ -325,9 +325,7 @@ def bench_scale(rows: list[int] | None = None, work_dir: str | None = None, imag
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.scale", description="one size of the scale benchmark"
-    )
+    parser = argparse.ArgumentParser(prog="python -m tools.scale", description="one size of the scale benchmark")
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--out")
     parser.add_argument("--work-dir")
