@@ -230,7 +230,11 @@ def test_image_blocks_reach_the_consumer_as_single_chunks(ray_session, geo3k_fil
     trainer batches (or the next stage's batches) copies no pixels. With per-call batches smaller than a block, Ray
     Data would concatenate the outputs into a multi-chunk block that every slice first combines (copies)."""
     ds = build_dataset(geo3k_files, model_dir, {"shuffle": False, "vision_batch_size": 4}, processor=model_dir)
-    blocks = [ray.get(entry.ref) for bundle in ds.iter_internal_ref_bundles() for entry in bundle.blocks]
+    # a bundle's entries: (ref, metadata) pairs in Ray 2.48, objects with .ref in 2.60
+    refs = [
+        getattr(entry, "ref", None) or entry[0] for bundle in ds.iter_internal_ref_bundles() for entry in bundle.blocks
+    ]
+    blocks = ray.get(refs)
     assert sum(b.num_rows for b in blocks) > 0 and max(b.num_rows for b in blocks) > 4  # blocks span several calls
     for block in blocks:
         assert {block.column(name).num_chunks for name in ("multi_modal_data", "multi_modal_inputs")} == {1}

@@ -70,3 +70,21 @@ def test_real_hdfs(ray_session, model_dir, variety_files, local_batches):
         fs.put(path, f"{url}/{os.path.basename(path)}")
     files = [f"{url}/{os.path.basename(p)}" for p in variety_files]
     assert_same_batches(collect(build_dataset(files, model_dir, CONFIG)), local_batches)
+
+
+def test_s3_without_s3fs_names_the_extra(tmp_path):
+    """s3fs is the ``[s3]`` extra: without it an s3:// path is a one-line error naming the extra, not fsspec's
+    ImportError from deep inside the listing."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "s3fs.py").write_text("raise ImportError('s3fs is not installed')\n")
+    code = (
+        "from ingest import SourceError\nfrom ingest.read.files import expand_files\n"
+        "try:\n    expand_files(['s3://bucket/prompts/'], {})\nexcept SourceError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.getcwd()])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "pip install 'ray-ingest[s3]'" in done.stdout and "s3://bucket/prompts/" in done.stdout, done

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -28,7 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "requirements" / "envs"
 VENVS = ROOT / ".envs"
-DIST = ROOT / "dist"
 # entry -> the test modules it runs: its release's parity tests (each skips what another release's oracle checks),
 # the trainer code with VerlDataLoader, and verl's launcher through python -m ingest.verl.main_ppo
 COMMON = ["tests/test_parity_tools.py", "tests/test_verl_trainer.py", "tests/test_verl_launcher.py"]
@@ -46,11 +46,12 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def build_wheel() -> Path:
-    """The wheel and sdist of this checkout (``python -m build``), built once per run."""
-    shutil.rmtree(DIST, ignore_errors=True)
-    run([sys.executable, "-m", "build", "--outdir", DIST, ROOT], stdout=subprocess.DEVNULL)
-    wheels = sorted(DIST.glob("ray_ingest-*.whl"))
-    assert wheels and sorted(DIST.glob("ray_ingest-*.tar.gz")), sorted(DIST.iterdir())
+    """The wheel and sdist of this checkout (``python -m build``), built once per run, in a folder of the run's own."""
+    VENVS.mkdir(exist_ok=True)
+    dist = Path(tempfile.mkdtemp(prefix="dist-", dir=VENVS))
+    run([sys.executable, "-m", "build", "--outdir", dist, ROOT], stdout=subprocess.DEVNULL)
+    wheels = sorted(dist.glob("ray_ingest-*.whl"))
+    assert wheels and sorted(dist.glob("ray_ingest-*.tar.gz")), sorted(dist.iterdir())
     return wheels[0]
 
 
@@ -86,6 +87,10 @@ def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str
     return [f"{p} {v} -> {after.get(p, 'removed')}" for p, v in sorted(before.items()) if after.get(p) != v]
 
 
+def install_test_tools(python: Path) -> None:
+    run([python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt"])
+
+
 def copy_tests(name: str) -> Path:
     """``tests/`` and ``tools/`` (and pytest's settings) without ``ingest/``: the tests then import the wheel."""
     work = VENVS / name / "checkout"
@@ -116,14 +121,14 @@ def smoke_run(python: Path, work: Path) -> str | None:
     return None
 
 
-def run_tests(name: str, python: Path, work: Path) -> dict[str, int]:
+def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dict[str, int]:
     """The entry's tests in its venv; the counts of its junit report."""
     junit = work / "junit.xml"
     # a cache of its own: the offline tokenizer is built by this venv's transformers, from the installed package
     env = {**os.environ, "INGEST_ORACLE_INSTALLED": "1", "XDG_CACHE_HOME": str(work / "cache")}
     env.pop("PYTHONPATH", None)
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rs"]
-    subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON]], cwd=work, env=env)
+    subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON, *extra]], cwd=work, env=env)
     suite = ElementTree.parse(junit).getroot().find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
@@ -133,6 +138,7 @@ def run_tests(name: str, python: Path, work: Path) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=sorted(TESTS), choices=sorted(TESTS), metavar="NAME")
+    parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
     args = parser.parse_args(argv)
     wheel = build_wheel()
     results, failed = [], False
@@ -141,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         python, before = user_environment(name)
         built = time.monotonic() - started
         changed = install_wheel(python, wheel, before)
+        if not changed:
+            install_test_tools(python)
         work = copy_tests(name)
         smoke = None if changed else smoke_run(python, work)
-        counts = run_tests(name, python, work) if not changed else {}
+        counts = run_tests(name, python, work, args.pytest.split()) if not changed else {}
         ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
         failed |= not ok
         results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
+    shutil.rmtree(wheel.parent, ignore_errors=True)
     print("\nenvironment matrix (ray-ingest wheel installed into each verl environment):")
     for name, ok, changed, smoke, counts, built, total in results:
         verdict = "ok" if ok else "FAILED"

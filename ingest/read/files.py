@@ -31,7 +31,14 @@ def filesystem_for(path: str, storage_options: dict | None = None) -> fsspec.Abs
     """The fsspec filesystem for ``path``, with options from the URL too (host:port for (web)hdfs)."""
     if protocol_of(path) == "s3a":
         path = "s3" + path[3:]
-    fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    try:
+        fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    except ImportError as missing:  # s3fs is the [s3] extra: it caps botocore and python-dateutil where it goes
+        extra = " (pip install 'ray-ingest[s3]')" if protocol_of(path) == "s3" else ""
+        raise SourceError(
+            f"reading {protocol_of(path)}:// paths needs a package this environment lacks{extra}: {missing}",
+            file=printable_path(path),
+        ) from None
     return fs
 
 

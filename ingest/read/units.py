@@ -211,7 +211,8 @@ class ParquetUnitsDatasource(Datasource):
                     ),
                     meta,
                     schema=out_schema,
-                    per_task_row_limit=per_task_row_limit,
+                    # Ray 2.48 has no per-task row limit (and never asks for one)
+                    **({} if per_task_row_limit is None else {"per_task_row_limit": per_task_row_limit}),
                 )
             )
         return tasks

@@ -85,13 +85,19 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
             return out
         force = True  # built by an older version of this function
 
+    import transformers
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    backend = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN).converted()
+    # additional_special_tokens=[]: transformers 4.x iterates it (None fails); the special tokens are added below
+    converter = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN, additional_special_tokens=[])
+    backend = converter.converted()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer_class = PreTrainedTokenizerFast
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x's Qwen2-VL processor takes only its Qwen2 class
+        from transformers import Qwen2TokenizerFast as tokenizer_class
+    tokenizer = tokenizer_class(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
