@@ -224,6 +224,17 @@ def actor_kwargs(cfg: DataConfig, context: StageContext, **models: str | os.Path
     return {"config": cfg, "context": context, **{k: None if v is None else os.fspath(v) for k, v in models.items()}}
 
 
+def _read_cpus(num_cpus: float) -> dict:
+    """The read tasks' CPUs as this Ray takes them: by name (Ray 2.5x on), else in ``ray_remote_args`` (Ray 2.48 puts
+    an unknown ``num_cpus`` among the datasource's arguments, leaving its read tasks a whole CPU each: then they do
+    not fuse into the pool, and on a small cluster the actors can take every CPU before a read task gets one)."""
+    import inspect
+
+    if "num_cpus" in inspect.signature(ray.data.read_datasource).parameters:
+        return {"num_cpus": num_cpus}
+    return {"ray_remote_args": {"num_cpus": num_cpus}}
+
+
 def read_units_into_pool(
     plan: InputPlan, cfg: DataConfig, context: StageContext, actor, constructor_kwargs: dict, *, epoch: int
 ) -> ray.data.Dataset:
@@ -236,7 +247,8 @@ def read_units_into_pool(
     """
     ensure_ray()
     source = units_source(plan, cfg, epoch, context.ledger)
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, len(plan.units)), num_cpus=cfg.tokenizer_num_cpus)
+    blocks = max(1, len(plan.units))
+    ds = ray.data.read_datasource(source, override_num_blocks=blocks, **_read_cpus(cfg.tokenizer_num_cpus))
     ds.context.execution_options.preserve_order = True
     # Our stages raise IngestError naming file/row/column; let it reach the consumer as itself, not wrapped in
     # Ray's UserCodeException (whose cause chain does not survive the trip back to the driver).
