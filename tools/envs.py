@@ -8,8 +8,9 @@ For each ``requirements/envs/<name>.txt`` (a verl release with the versions its 
    in the venv, from a copy of ``tests/`` and ``tools/`` without ``ingest/`` (so the wheel is what they import), with
    the venv's own verl as the oracle (``INGEST_ORACLE_INSTALLED=1``; tools/oracle).
 
-Usage: ``python -m tools.envs [NAME ...]`` (all entries by default); ``make test-envs`` runs it. A venv is rebuilt
-only when its requirements file changed; pip's cache keeps the wheels between entries and runs.
+Usage: ``python -m tools.envs [NAME ...]`` (all entries by default); ``make test-envs`` runs it. A venv is reused
+while its requirements file and the versions it had before ray-ingest are unchanged; pip's cache keeps the wheels
+between entries and runs.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def user_environment(name: str) -> tuple[Path, dict[str, str]]:
     digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
     stamp = venv / "user-environment.json"
     if stamp.is_file() and json.loads(stamp.read_text())["requirements"] == digest:
-        return python, json.loads(stamp.read_text())["installed"]
+        versions = json.loads(stamp.read_text())["installed"]
+        now = installed(python)
+        if all(now.get(p) == v for p, v in versions.items()):  # else an earlier run changed it: build it again
+            return python, versions
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", venv])
     run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
