@@ -14,6 +14,7 @@ from ingest.demo import write_gsm8k_parquet
 from ingest.verl import IngestDataset, VerlDataLoader
 from ingest.verl.dataset import CUSTOM_CLS
 from ingest.verl.length import CACHE_FILE
+from tests.support import formats
 from tests.support.tiers import first_fast, slow
 from tools.oracle import oracle_available, run_verl
 
@@ -157,6 +158,7 @@ def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp
 def test_state_survives_torch_save_and_load(ray_session, trainer_data, model_dir, tmp_path):
     """``data.pt`` as verl writes and reads it (``torch.save``; ``torch.load(weights_only=False)``, and the safe
     ``weights_only=True`` too: the state is plain JSON values)."""
+    formats.skip_unless_formats_allowed("verl-0.5")
     train, _ = trainer_data
     data = _data_config(train, train, "verl-0.5", tmp_path / "cache")
     loader = VerlDataLoader(train, model_dir, data, BATCH)
@@ -178,6 +180,7 @@ def test_state_survives_torch_save_and_load(ray_session, trainer_data, model_dir
 def test_epoch_count_is_cached_and_recounted_when_the_data_changes(ray_session, model_dir, tmp_path):
     """``len()``'s count is kept per files + config + models; a file rewritten with the same row groups but other
     prompts (more of them overlong) is counted again, never answered from the stale entry."""
+    formats.skip_unless_formats_allowed("verl-0.5")
     import os
 
     from ingest.config import DataConfig
@@ -201,6 +204,7 @@ def test_epoch_count_through_the_pipeline_on_several_nodes_equals_the_drivers(
 ):
     """On a multi-node cluster the count runs through the pipeline (``PromptStream``) instead of in the driver; both
     give the rows the epoch yields."""
+    formats.skip_unless_formats_allowed("verl-0.5")
     from ingest.config import DataConfig
     from ingest.datasets.plan import plan_input
     from ingest.verl import length

@@ -112,8 +112,9 @@ def smoke_run(python: Path, work: Path) -> str | None:
     write = f"from ingest.demo import write_gsm8k_parquet; write_gsm8k_parquet({str(data / 'in')!r}, 2000, num_files=2)"
     env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache")}
     subprocess.run([python, "-c", write], check=True, cwd=work, env=env)
-    summary = data / "summary.json"
-    cmd = [python, "-m", "ingest", "run", "--files", data / "in", "--summary-json", summary]
+    summary, config = data / "summary.json", data / "config.yaml"
+    config.write_text("row_format: auto\n")  # the installed verl's rows (its release refuses any other format)
+    cmd = [python, "-m", "ingest", "run", config, "--files", data / "in", "--summary-json", summary]
     done = subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         return f"python -m ingest run failed: {done.stderr[-2000:]}"
