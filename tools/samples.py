@@ -359,6 +359,8 @@ def qwen25_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | No
     shutil.copytree(base or build_offline_model_dir(), out, dirs_exist_ok=True)
     for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
         path = out / name
+        if not path.is_file():  # transformers 4 writes no processor_config.json (its sections are files of their own)
+            continue
         config = json.loads(path.read_text())
         config["processor_class"] = "Qwen2_5_VLProcessor"
         image = config.get("image_processor", config) if name == "processor_config.json" else config
@@ -407,6 +409,8 @@ def qwen3_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | Non
     shutil.copytree(base or build_offline_model_dir(), out, dirs_exist_ok=True)
 
     def update(name: str, changes: dict, section: str | None = None) -> None:
+        if not (out / name).is_file():  # transformers 4 writes no processor_config.json
+            return
         config = json.loads((out / name).read_text())
         (config.setdefault(section, {}) if section else config).update(changes)
         config["processor_class"] = "Qwen3VLProcessor"
