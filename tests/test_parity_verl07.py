@@ -80,7 +80,7 @@ def test_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, image_run
     assert (len(expected["rows"]) < 48) == (index == 0)  # 640 tokens keeps every row (0.9.1's filter: 42)
     ours = _ours(geo3k_files, model_dir, IMAGE_CONFIGS[index], processor=model_dir)
     assert_same_batches(ours, expected["batches"])
-    if index == 1:
+    if index == 1 and formats.formats_allowed("verl-0.9"):  # (an installed verl 0.7.1 refuses verl-0.9 rows)
         as_09 = formats.ours(geo3k_files, model_dir, IMAGE_CONFIGS[1], "verl-0.9", BATCH, model_dir)
         assert sum(len(b["index"]) for b in as_09) < 48  # the dialect decides, not the limit
 

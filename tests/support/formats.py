@@ -19,16 +19,23 @@ def verl(files, model_dir, configs: list[dict], cache, row_format: str, batch_si
     return run_verl("rows", files, model_dir, None, row_format=row_format, **extra)["runs"]
 
 
-def skip_unless_formats_allowed(*row_formats: str) -> None:
-    """Skip a test that builds ``row_formats`` where the environment's own verl refuses one of them (an installed
-    release only reads its own line's rows: ``resolve_row_format``). Such tests run where no verl is installed, as in
-    ``make test``; the environment matrix, which installs verl, runs that release's own cases."""
-    import pytest
-
+def formats_allowed(*row_formats: str) -> bool:
+    """False where the environment's own verl refuses one of ``row_formats`` (an installed release only reads its
+    own line's rows: ``resolve_row_format``); true where no verl is installed, as in ``make test``."""
     from ingest.config import resolve_row_format
 
-    for row_format in row_formats:
-        try:
+    try:
+        for row_format in row_formats:
             resolve_row_format(row_format)
-        except ValueError as refused:
-            pytest.skip(f"the installed verl refuses it: {refused}")
+    except ValueError:
+        return False
+    return True
+
+
+def skip_unless_formats_allowed(*row_formats: str) -> None:
+    """Skip a test that builds ``row_formats`` where the installed verl refuses one of them: such tests run where no
+    verl is installed; the environment matrix, which installs verl, runs that release's own cases."""
+    import pytest
+
+    if not formats_allowed(*row_formats):
+        pytest.skip(f"the installed verl refuses one of {row_formats}")
