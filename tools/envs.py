@@ -132,7 +132,18 @@ def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dic
     # a cache of its own: the offline tokenizer is built by this venv's transformers, from the installed package
     env = {**os.environ, "INGEST_ORACLE_INSTALLED": "1", "XDG_CACHE_HOME": str(work / "cache")}
     env.pop("PYTHONPATH", None)
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rs", "--timeout=420", "--timeout-method=thread"]
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "-rs",
+        "--timeout=420",
+        "--timeout-method=thread",
+    ]
     subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON, *extra]], cwd=work, env=env)
     suite = ElementTree.parse(junit).getroot().find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
