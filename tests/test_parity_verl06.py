@@ -157,7 +157,8 @@ def test_other_processors_are_refused_before_reading(ray_session, model_dir, tmp
     files = write_video_parquet(tmp_path / "videos", 4, kind="frames")
     other = tmp_path / "other"
     qwen25_vl_model_dir(other, model_dir)
-    config = other / "processor_config.json"
-    config.write_text(config.read_text().replace("Qwen2_5_VLProcessor", "Glm4vProcessor"))
+    for name in ("processor_config.json", "preprocessor_config.json"):  # transformers 4 writes only the second
+        if (config := other / name).is_file():
+            config.write_text(config.read_text().replace("Qwen2_5_VLProcessor", "Glm4vProcessor"))
     with pytest.raises(ValueError, match="is a Glm4vProcessor"):
         build_dataset(files, model_dir, {"row_format": ROW_FORMAT}, processor=str(other))
