@@ -46,23 +46,7 @@ def release_pipelines_after_each_test():
     torch, Ray and transformers (a full collection took 0.2-0.4 s a test); each module's end scans them all."""
     yield
     gc.collect()
-    if _wait_for_ray_data_threads():  # they held a pipeline at the collection: collect it now they are gone
-        gc.collect()
     gc.freeze()
-
-
-def _wait_for_ray_data_threads(timeout_s: float = 10.0) -> bool:
-    """Join the threads of pipelines that are shutting down (Ray Data's executor and batch-mapping threads); True if
-    there were any. Before Ray 2.60 they still reference their pipeline while the collection above runs; frozen then, it
-    (and its actors, holding the session's CPUs) would outlive the test until the module's end."""
-    import threading
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    threads = [t for t in threading.enumerate() if t.name.startswith(("StreamingExecutor-", "map_tp_"))]
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return bool(threads)
 
 
 @pytest.fixture(scope="session")
