@@ -43,9 +43,9 @@ def installed_ray() -> str:
 
 def check_ray(version: str | None = None) -> None:
     """Raise ``UnsupportedRayError`` naming the installed Ray and the supported range when they do not match."""
-    version = installed_ray() if version is None else version
     if os.environ.get(ANY_RAY_ENV) == "1":
         return
+    version = installed_ray() if version is None else version
     if version == "none" or not OLDEST_RAY <= ray_series(version) <= NEWEST_RAY:
         shown = "no Ray" if version == "none" else f"Ray {version}"
         raise UnsupportedRayError(

@@ -47,15 +47,10 @@ RELEASE_ORACLES = {"0.5": "verl-0.5", "0.6": "verl-0.6", "0.7": "verl-0.7", "0.8
 
 def installed_oracle() -> str | None:
     """With ``INGEST_ORACLE_INSTALLED=1``, the oracle the verl installed in this environment is; else None."""
-    if os.environ.get(INSTALLED_ENV) != "1":
-        return None
-    from importlib.metadata import PackageNotFoundError, version
+    from ingest.config import installed_verl_version
 
-    try:
-        release = version("verl")
-    except PackageNotFoundError:
-        return None
-    return RELEASE_ORACLES.get(".".join(release.split(".")[:2]))
+    release = installed_verl_version() if os.environ.get(INSTALLED_ENV) == "1" else None
+    return RELEASE_ORACLES.get(".".join(release.split(".")[:2])) if release else None
 
 
 def oracle_dir(row_format: str = "verl-0.5") -> Path:
