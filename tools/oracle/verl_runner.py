@@ -317,6 +317,21 @@ def _check_oracle_transformers() -> None:
     assert os.path.realpath(verl.__file__).startswith(oracle_dirs[0] + os.sep), verl.__file__
 
 
+def _random_datasets_fingerprints() -> None:
+    """HF datasets names each ``filter`` / ``map`` result by hashing the function with dill, which for verl's filter
+    pickles the whole tokenizer or processor: most of a parity run's time. The oracle's cache is fresh per request,
+    so the name is never looked up: give each result the random name datasets itself uses for a transform it cannot
+    hash. verl's code and its rows are untouched (not done for ``bench``, which times verl as users run it)."""
+    import datasets.arrow_dataset
+    import datasets.fingerprint
+
+    def random_fingerprint(*args, **kwargs) -> str:
+        return datasets.fingerprint.generate_random_fingerprint()
+
+    datasets.fingerprint.update_fingerprint = random_fingerprint
+    datasets.arrow_dataset.update_fingerprint = random_fingerprint
+
+
 def _rows(spec: dict) -> None:
     """Every ``__getitem__`` row and the collated batches, one result per config in ``spec["configs"]``, pickled to
     ``spec["out"]``; tokenizer and processor loaded fresh for each request."""
@@ -324,11 +339,15 @@ def _rows(spec: dict) -> None:
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     _check_oracle_transformers()
+    _random_datasets_fingerprints()
     tokenizer = _tokenizer(spec["tokenizer"])
     processor = _processor(spec.get("processor"))
     runs = []
     for one in spec.get("configs", [spec["config"]]):
         try:
+            # verl's filter in this process (num_proc 0, which datasets reads as None), not in a pool of one that
+            # datasets ships the tokenizer or processor to by pickling it: the same function on the same rows
+            one = {"filter_overlong_prompts_workers": 0, **one}
             dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
             rows = [dataset[i] for i in range(len(dataset))]
         except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
