@@ -139,6 +139,19 @@ print("RESULT " + json.dumps({"indices": indices, "peak_vision": peak_vision, "p
 """
 
 
+# one driver polls the GCS until only the head and the 2 GPU nodes are alive (or 120 s pass)
+SCALED_DOWN_SCRIPT = r"""
+import sys, time
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.time() + 120
+while (alive := sum(n["Alive"] for n in ray.nodes())) != 3 and time.time() < deadline:
+    time.sleep(1)
+print("ALIVE", alive)
+"""
+
+
 @slow
 def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
     from tests.support.cluster import start_autoscaling_cluster
@@ -171,20 +184,11 @@ def test_pipeline_on_an_autoscaling_cluster(model_dir, tmp_path):
         assert result["peak_vision"] == 2, result  # the vision pool grew from 1 to its maximum
         assert result["indices"] == list(range(192))  # every row arrives, once, in order
         # idle CPU worker nodes are removed after the run (idle timeout 6 s); the 2 min_workers GPU nodes stay
-        check = (
-            "import ray; ray.init(address='{}', logging_level='ERROR', log_to_driver=False); "
-            "print('ALIVE', sum(n['Alive'] for n in ray.nodes()))"
+        probe = subprocess.run(
+            [sys.executable, "-c", SCALED_DOWN_SCRIPT, spec["address"]], env=env, capture_output=True, text=True
         )
-        deadline, alive = time.time() + 120, None
-        while time.time() < deadline:
-            probe = subprocess.run(
-                [sys.executable, "-c", check.format(spec["address"])], env=env, capture_output=True, text=True
-            )
-            # the driver also prints the autoscaler's events: read only the marked line
-            alive = int(next(x for x in probe.stdout.splitlines() if x.startswith("ALIVE ")).split()[1])
-            if alive == 3:
-                break
-            time.sleep(3)
+        # the driver also prints the autoscaler's events: read only the marked line
+        alive = int(next(x for x in probe.stdout.splitlines() if x.startswith("ALIVE ")).split()[1])
         assert alive == 3, f"{alive} nodes alive, expected the head and the 2 GPU nodes"
     finally:
         stop_cluster(port)
