@@ -143,6 +143,8 @@ def start_autoscaling_cluster(port: int, head_resources: dict, worker_node_types
         args.append(f"--num-gpus={head.pop('GPU')}")
     if head:
         args.append(f"--resources={json.dumps(head)}")
-    env = cluster_env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled")
+    # a node the autoscaler removed is declared dead after 3 missed 1 s health checks (Ray's default: 5 x 3 s)
+    health = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    env = cluster_env(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1", RAY_AUTH_MODE="disabled", **health)
     start_head(port, env, *args, "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}")
     return env
