@@ -332,6 +332,18 @@ def _random_datasets_fingerprints() -> None:
     datasets.arrow_dataset.update_fingerprint = random_fingerprint
 
 
+def _in_process_filter() -> dict:
+    """The config that runs verl's filter in this process, not in a pool of one that datasets ships the tokenizer or
+    processor to by pickling it (the same function on the same rows). Datasets from 4.1 or so pools even one
+    process and reads ``num_proc`` 0 as none; older ones (4.0) run one in-process already and refuse 0."""
+    import inspect
+
+    import datasets.arrow_dataset
+
+    zero_is_no_pool = "num_proc == 0" in inspect.getsource(datasets.arrow_dataset.Dataset.map)
+    return {"filter_overlong_prompts_workers": 0} if zero_is_no_pool else {}
+
+
 def _rows(spec: dict) -> None:
     """Every ``__getitem__`` row and the collated batches, one result per config in ``spec["configs"]``, pickled to
     ``spec["out"]``; tokenizer and processor loaded fresh for each request."""
@@ -345,9 +357,7 @@ def _rows(spec: dict) -> None:
     runs = []
     for one in spec.get("configs", [spec["config"]]):
         try:
-            # verl's filter in this process (num_proc 0, which datasets reads as None), not in a pool of one that
-            # datasets ships the tokenizer or processor to by pickling it: the same function on the same rows
-            one = {"filter_overlong_prompts_workers": 0, **one}
+            one = {**_in_process_filter(), **one}
             dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
             rows = [dataset[i] for i in range(len(dataset))]
         except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
