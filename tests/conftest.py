@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from ingest.ray_version import installed_ray, ray_series
+
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -30,11 +32,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module", autouse=True)
 def release_module_objects():
     """Module-scoped fixtures (datasets, pipelines) become garbage when their module ends: a full collection then,
-    with everything older than the module unfrozen (see below)."""
+    everything unfrozen first; what survives (torch, Ray, transformers: ~300,000 objects) is frozen again, so the
+    collections after each test skip it (a full one took 0.2-0.4 s a test)."""
     yield
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+# Ray 2.60's actor pools drop a shut-down pool's actor handles themselves. Before it, a failed pipeline's executor can
+# still be referenced for a moment after its test, and one frozen then kept its starting actors (and their CPUs) alive
+# until the module ended: later tests waited for CPUs. There, nothing made during a module is frozen.
+FREEZE_AFTER_EACH_TEST = ray_series(installed_ray()) >= (2, 60)
 
 
 @pytest.fixture(autouse=True)
@@ -42,11 +51,11 @@ def release_pipelines_after_each_test():
     """A pipeline whose iteration raised stays alive (its actors holding the session's CPUs) while the exception's
     traceback cycle keeps its iterator; such cycles go only when the garbage collector runs. Collecting after every
     test shuts those pipelines down, so a later test's actors are never left waiting for CPUs. What survives is
-    frozen (``gc.freeze``): the next test's collection scans only what that test made, not the ~300,000 objects of
-    torch, Ray and transformers (a full collection took 0.2-0.4 s a test); each module's end scans them all."""
+    frozen where that is safe: the next test's collection then scans only what that test made."""
     yield
     gc.collect()
-    gc.freeze()
+    if FREEZE_AFTER_EACH_TEST:
+        gc.freeze()
 
 
 @pytest.fixture(scope="session")
