@@ -20,7 +20,7 @@ import numpy as np
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.support.cluster import CURRENT_CLUSTER, free_port
+from tests.support.cluster import CURRENT_CLUSTER, FAST_NODE_DEATH, free_port
 
 MB = 1024 * 1024
 STORE = 100 * MB  # small stores: blocks spill and move between nodes as they would on a loaded cluster
@@ -38,9 +38,7 @@ def start_cluster(workers: int, head_cpus: int) -> Cluster:
         # the agent's default port is held by the test session's own Ray
         "dashboard_agent_listen_port": free_port(),
         "object_store_memory": STORE,
-        # a removed node is declared dead after 3 missed 1 s health checks, not Ray's default 5 x 3 s: the pipeline's
-        # recovery is the same, the test spends less time waiting for it
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        "_system_config": FAST_NODE_DEATH,
     }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     # Cluster records its head as "the" local cluster, which a plain ray.init() elsewhere would then join: put back

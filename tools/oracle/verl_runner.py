@@ -354,10 +354,11 @@ def _rows(spec: dict) -> None:
     _random_datasets_fingerprints()
     tokenizer = _tokenizer(spec["tokenizer"])
     processor = _processor(spec.get("processor"))
+    in_process_filter = _in_process_filter()
     runs = []
     for one in spec.get("configs", [spec["config"]]):
         try:
-            one = {**_in_process_filter(), **one}
+            one = {**in_process_filter, **one}
             dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
             rows = [dataset[i] for i in range(len(dataset))]
         except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
