@@ -46,10 +46,21 @@ test: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PYTEST) --durations=15 -m "not slow" tests
 
-# Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs.
+# Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs. The modules that
+# spend their time in subprocesses (clusters, verl's trainers and launcher, CLI runs) or in waits (S3 retries) run in
+# a second pytest beside the rest, with a Ray temp dir of their own (no `ray start` head of theirs is then "the"
+# cluster of this machine for the other pytest); their report follows the main one.
+SIDE_TESTS := tests/test_node_loss.py tests/test_cluster.py tests/test_layout.py tests/test_object_store_pressure.py \
+	tests/test_verl_launcher.py tests/test_verl_trainer.py tests/test_rollout_media.py tests/test_resume.py \
+	tests/test_faults_s3.py tests/test_cli.py
 test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
-	$(PYTEST) --durations=25 tests
+	@mkdir -p out
+	RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 $(SIDE_TESTS) \
+		> out/test-all-side.log 2>&1 & side=$$!; \
+	$(PYTEST) --durations=25 $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
+	wait $$side; side_rc=$$?; echo "== $(SIDE_TESTS)"; cat out/test-all-side.log; \
+	exit $$(( main || side_rc ))
 
 # The environment matrix: this package's wheel installed with plain pip into each verl release's own environment
 # (requirements/envs/), which it must leave unchanged, then that release's parity, trainer and launcher tests there.

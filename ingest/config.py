@@ -143,6 +143,9 @@ class DataConfig:
     tool_schemas: list | None = None
     # verl 0.9: Python function tools; their schemas come from importing that code, which this pipeline does not do
     function_tool_path: str | None = None
+    # verl 0.9: extra processor arguments its agent loop passes on every processor call; read here only where the
+    # pipeline makes the rollout's media (media_handoff), so they are made as verl's agent loop would
+    mm_processor_kwargs: dict = dataclasses.field(default_factory=dict)
     # verl 0.9: the audio column, removed from its rows; this pipeline builds no audio prompts (a row with audio is bad)
     audio_key: str = "audios"
 
@@ -192,6 +195,10 @@ class DataConfig:
     # warning). The CPU always runs the uint8 kernel
     vision_device_resize: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
+    # verl-0.9 rows: the vision actors make each prompt's media for the rollout once (the fetched images and videos, the
+    # prompt ids, the training inputs: ingest/verl/rollout_media.py) and the rows carry ingest-media:// URIs in their
+    # place; verl's agent loop takes them through ingest.verl.agent_loop (python -m ingest.verl.main_ppo sets it up)
+    media_handoff: bool = False
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system costs less CPU for read + tokenize + decode
     # on a 2-core VM, where mimalloc's fresh huge pages cost more than it saves (docs/design.md)
@@ -245,6 +252,11 @@ class DataConfig:
             raise ValueError(
                 f"row_format {self.row_format} rows carry images and video sources, not model inputs: there is no "
                 "vision stage to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
+            )
+        if self.media_handoff and self.row_format != "verl-0.9":
+            raise ValueError(
+                f"data.media_handoff: the rollout's media are handed off for verl-0.9 rows (verl 0.8 / 0.9's agent "
+                f"loop), not for row_format {self.row_format}"
             )
         if self.function_tool_path and self.row_format == "verl-0.9":
             raise ValueError(
@@ -305,12 +317,13 @@ class StageContext:
     to (None: not counted), whether the provenance columns stay on the rows (``PromptStream`` needs them), and the
     files (indices) whose image column HF datasets reads as plain ``{bytes, path}`` dicts, not PIL images (no
     ``Image()`` feature in their schema metadata: ``read.files.reads_as_pil_images``); verl 0.9 builds other image
-    items from those."""
+    items from those; and with ``media_handoff`` the name of the store actor that holds the rollout's media."""
 
     files: tuple[str, ...] = ()
     ledger: Any = None
     keep_provenance: bool = False
     files_without_image_feature: frozenset[int] = frozenset()
+    media_store: str | None = None  # the run's MediaStore actor (media_handoff: ingest/verl/rollout_media.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))

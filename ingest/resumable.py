@@ -98,6 +98,7 @@ class ResumableBatches:
         self.epoch = 0
         self._position = ReadPosition()
         self._fingerprint: str | None = None  # of the data and settings the position belongs to; None: not known yet
+        self._held_media = None  # media_handoff: the store of the rollout's media and the batches holding them
 
     # --- state ----------------------------------------------------------------------------------------------------
 
@@ -129,6 +130,12 @@ class ResumableBatches:
 
     def _read(self, plan: InputPlan, units: Sequence[ReadUnit]) -> Iterator[pa.Table]:
         """The blocks of ``units`` (in their order) made by the actors, with their provenance columns."""
+        if self.config.media_handoff and self._held_media is None:
+            from ingest.datasets.pools import ensure_ray
+            from ingest.verl.rollout_media import HeldMedia
+
+            ensure_ray()
+            self._held_media = HeldMedia()
         ds = build_dataset(
             plan.files,
             self.tokenizer,
@@ -138,6 +145,7 @@ class ResumableBatches:
             plan=InputPlan(plan.files, plan.infos, list(units)),
             ledger=self.ledger,
             keep_provenance=True,
+            media_store=None if self._held_media is None else self._held_media.name,
         )
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
@@ -147,4 +155,7 @@ class ResumableBatches:
         for table, units in rebatch(blocks, unit_of, skips, self.batch_size, self.drop_last):
             # state first: a generator resumes after ``yield`` only when the next batch is asked for
             self._position.advance(units)
-            yield self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
+            batch = self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
+            if self._held_media is not None:
+                self._held_media.handed_out(batch["raw_prompt"])
+            yield batch

@@ -38,8 +38,14 @@ for config in args["configs"]:
     out.append({"operators": [op.name.removeprefix("MapBatches(")[:-1] for op in ops],
                 "tokenizer_pool_max_size": ops[0].compute.max_size, "layout": summary.layout,
                 "accounted": summary.accounted, "rows_out": summary.rows_out})
-print(json.dumps(out))
+print("RESULT " + json.dumps(out))
 """
+
+
+def result_line(stdout: str):
+    """The script's ``RESULT {json}`` line (Ray's own log lines may come after it on stdout)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("RESULT "))[7:])
+
 
 THREE_POOLS = ["TokenizeActor", "DecodeActor", "VisionActor"]
 
@@ -111,7 +117,8 @@ for batch in PromptStream(args["files"], args["model"], config, 16, args["proces
     for inputs in batch.get("multi_modal_inputs", []):
         digest.update(inputs["pixel_values"].numpy().tobytes())
     rows += len(batch["input_ids"])
-print(json.dumps({"logged": logged, "digest": digest.hexdigest(), "rows": rows, "ray": ray.is_initialized()}))
+result = {"logged": logged, "digest": digest.hexdigest(), "rows": rows, "ray": ray.is_initialized()}
+print("RESULT " + json.dumps(result))
 """
 
 
@@ -143,7 +150,7 @@ def test_a_two_cpu_cluster_leaves_the_epoch_to_the_driver_with_the_same_batches(
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs[name] = result_line(proc.stdout)
     assert any("the driver makes all" in m and f"{rows} rows" in m for m in runs["2"]["logged"]), runs["2"]["logged"]
     assert any("the actors the rest" in m for m in runs["4"]["logged"]), runs["4"]["logged"]
     assert any("no Ray cluster started" in m for m in runs["none"]["logged"]), runs["none"]["logged"]
@@ -180,7 +187,7 @@ def _on_cluster(
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return result_line(proc.stdout)
 
 
 @slow

@@ -92,7 +92,13 @@ def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str
 
 
 def install_test_tools(python: Path) -> None:
-    run([python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt"])
+    """The tests' own tools, held to the versions the venv has: they may add packages (moto's boto3) but change
+    none, so the tests run in the user's environment as it was (moto's newest boto3 would otherwise upgrade the
+    botocore that s3fs's aiobotocore pins)."""
+    constraints = python.parent.parent / "test-tools-constraints.txt"
+    held = {p: v for p, v in installed(python).items() if p not in ("pip", "ray-ingest")}
+    constraints.write_text("".join(f"{p}=={v}\n" for p, v in sorted(held.items())))
+    run([python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt", "-c", constraints])
 
 
 def copy_tests(name: str) -> Path:

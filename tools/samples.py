@@ -422,3 +422,25 @@ def qwen3_vl_model_dir(out_dir: str | os.PathLike, base: str | os.PathLike | Non
     update("processor_config.json", QWEN3_VL_VIDEO, "video_processor")
     update("tokenizer_config.json", {})
     return str(out)
+
+
+# the model type and class a rollout's config.json names per processor family: verl's rollout reads the model type
+# (its continuous-token builder, the processor's rope index) from the model folder's config.json
+MODEL_CONFIGS = {
+    "qwen2-vl": {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]},
+    "qwen2.5-vl": {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+    "qwen3-vl": {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]},
+}
+
+
+def rollout_model_dir(out_dir: str | os.PathLike, processor_dir: str | os.PathLike, family: str = "qwen2-vl") -> str:
+    """A processor directory with the ``config.json`` of its family (no weights): what verl's rollout loads as its
+    model folder (``actor_rollout_ref.model.path``); the config's other fields keep transformers' defaults."""
+    import json
+    import shutil
+
+    out = Path(out_dir)
+    if not (out / "config.json").is_file():
+        shutil.copytree(processor_dir, out, dirs_exist_ok=True)
+        (out / "config.json").write_text(json.dumps(MODEL_CONFIGS[family], indent=2))
+    return str(out)

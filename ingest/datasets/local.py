@@ -34,6 +34,8 @@ _NONE_LEFT = object()  # made_in_order: no item left to draw
 def driver_can_start(config: DataConfig, processor: str | os.PathLike | None) -> bool:
     """Whether the driver makes the first batch: text rows, verl 0.9 rows (no vision stage), and media rows whose
     vision stage runs on the CPU."""
+    if config.media_handoff:  # the rollout's media go to a store actor: Ray must be up
+        return False
     if processor is None or config.raw_prompt_rows:
         return True
     return config.vision_num_gpus == 0 and config.vision_device in ("auto", "cpu")

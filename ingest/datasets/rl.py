@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ def build_dataset(
     ledger=None,
     plan: InputPlan | None = None,
     keep_provenance: bool = False,
+    media_store: str | None = None,
 ) -> ray.data.Dataset:
     """A Ray Dataset of verl rows (``RLHFDataset.__getitem__`` of the ``row_format`` release; 0.5.0 by default).
 
@@ -37,6 +39,8 @@ def build_dataset(
     With ``shuffle`` off rows come in input order (minus filtered rows); with it on, in a seeded order that
     depends only on (seed, epoch). ``ledger``: a ``RunLedger`` actor that receives per-batch counts.
     ``plan``: read only these units (resume); ``keep_provenance``: keep the ``_ingest_file`` / ``_ingest_row`` columns.
+    ``media_store``: with ``media_handoff``, the ``MediaStore`` actor that holds the rollout's media (the loaders make
+    one and release each step's media).
     """
     cfg = DataConfig.from_any(config)
     check_model_path(tokenizer)
@@ -48,6 +52,13 @@ def build_dataset(
 
     cfg = cluster_layout(cfg, media=processor is not None).apply(cfg)
     context = plan.context(ledger, keep_provenance, cfg.image_key)
+    if cfg.media_handoff:
+        if media_store is None:
+            raise ValueError(
+                "media_handoff: read these rows through VerlDataLoader or PromptStream, which hold each step's media "
+                "in a store and release them after it"
+            )
+        context = dataclasses.replace(context, media_store=media_store)
     models = actor_kwargs(cfg, context, tokenizer=tokenizer, processor=processor)
     ds = read_units_into_pool(plan, cfg, context, TokenizeActor, models, epoch=epoch)
     if processor is None:
@@ -57,8 +68,8 @@ def build_dataset(
     media = actor_kwargs(cfg, context, processor=processor)
     if cfg.decode_pool_max_size > 0:
         ds = map_on_pool(ds, cfg, "decode", DecodeActor, media)
-    if cfg.raw_prompt_rows or cfg.vision_pool_max_size == 0:  # verl 0.9 rows: the rollout processes media
-        return ds
+    if (cfg.raw_prompt_rows and not cfg.media_handoff) or cfg.vision_pool_max_size == 0:
+        return ds  # verl 0.9 rows: the rollout processes the media (unless they are handed off)
     return map_on_pool(ds, cfg, "vision", VisionActor, media)
 
 

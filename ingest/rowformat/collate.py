@@ -225,20 +225,7 @@ class VerlCollate(ArrowBatchCollateFn):
         import torch
 
         rows = batch.num_rows
-        column = batch.column("raw_prompt")
-        if pa.types.is_string(column.type):
-            raw_prompt = [json.loads(value) for value in column.to_pylist()]
-        else:
-            raw_prompt = column.to_pylist()
-        if MULTI_MODAL_DATA in batch.column_names:  # decoded images, in item order
-            images = [row for chunk in batch.column(MULTI_MODAL_DATA).chunks for row in _images(chunk)]
-            for messages, row_images in zip(raw_prompt, images, strict=True):
-                if row_images:
-                    fill_images(messages, iter(row_images))
-        if STRUCT_IMAGE_BYTES_COLUMN in batch.column_names:  # plain image structs: opened here, as verl opens them
-            for messages, encoded in zip(raw_prompt, batch.column(STRUCT_IMAGE_BYTES_COLUMN).to_pylist(), strict=True):
-                if encoded:
-                    fill_struct_images(messages, iter(encoded))
+        raw_prompt = filled_raw_prompt(batch)
         prompt_key = batch.column(RAW_PROMPT_OF_COLUMN)[0].as_py() if rows else None
         others = {}
         for name in batch.column_names:
@@ -252,6 +239,26 @@ class VerlCollate(ArrowBatchCollateFn):
             "dummy_tensor": dummy.to(self.device) if self.device is not None else dummy,
             **self._row_defaults(others, rows),
         }
+
+
+def filled_raw_prompt(batch: pa.Table) -> list[list[dict]]:
+    """The ``raw_prompt`` messages of a verl 0.7 / 0.9 block as verl's rows hold them: the decoded images as RGB PIL
+    images in their items, plain image structs opened as verl opens them."""
+    column = batch.column("raw_prompt")
+    if pa.types.is_string(column.type):
+        raw_prompt = [json.loads(value) for value in column.to_pylist()]
+    else:
+        raw_prompt = column.to_pylist()
+    if MULTI_MODAL_DATA in batch.column_names:  # decoded images, in item order
+        images = [row for chunk in batch.column(MULTI_MODAL_DATA).chunks for row in _images(chunk)]
+        for messages, row_images in zip(raw_prompt, images, strict=True):
+            if row_images:
+                fill_images(messages, iter(row_images))
+    if STRUCT_IMAGE_BYTES_COLUMN in batch.column_names:  # plain image structs: opened here, as verl opens them
+        for messages, encoded in zip(raw_prompt, batch.column(STRUCT_IMAGE_BYTES_COLUMN).to_pylist(), strict=True):
+            if encoded:
+                fill_struct_images(messages, iter(encoded))
+    return raw_prompt
 
 
 def _extra_info_as_verl_06(others: dict, rows: int) -> dict:

@@ -22,8 +22,9 @@ Pool = Literal["tokenizer", "decode", "vision"]
 def media_steps(config: DataConfig, pool: Pool) -> tuple[bool, bool]:
     """(decode, vision): the media stages the actors of ``pool`` run on the processor path. A stage whose pool size
     is 0 (``decode_pool_max_size`` / ``vision_pool_max_size``) runs in the actors of the stage before it. verl 0.9
-    rows have no vision stage (the rollout processes the media)."""
-    if config.raw_prompt_rows:
+    rows have no vision stage (the rollout processes the media) unless ``media_handoff`` makes the rollout's media
+    in it (``stages.rollout_media``)."""
+    if config.raw_prompt_rows and not config.media_handoff:
         return pool == "decode" or (pool == "tokenizer" and config.pool_max_size("decode") == 0), False
     decode_pool, vision_pool = config.pool_max_size("decode") > 0, config.pool_max_size("vision") > 0
     if pool == "tokenizer":
@@ -44,7 +45,12 @@ def media_stages(
     steps: list[Callable[[pa.Table], pa.Table]] = []
     if decode:
         steps.append(partial(counted_block, DecodeStage(config, context), ledger=context.ledger, stage="decode"))
-    if vision:
+    if vision and config.raw_prompt_rows:  # media_handoff: each prompt's rollout media, made once
+        from ingest.stages.rollout_media import RolloutMediaStage
+
+        stage = RolloutMediaStage(resolve_model_path(processor), config, context)
+        steps.append(partial(counted_block, stage.process, ledger=context.ledger, stage="vision"))
+    elif vision:
         stage = VisionStage(resolve_model_path(processor), config, context)
         # counts only for rows whose media it decoded (vision_decode_*_on_device): the decode stage counted the rest
         steps.append(partial(counted_block, stage.process, ledger=context.ledger, stage="vision", skip_empty=True))

@@ -42,7 +42,7 @@ def cluster_env(**extra: str) -> dict:
 FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 # `ray start` records its cluster here and a later plain `ray.init()` on this machine joins it; put back what was there
-CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+CURRENT_CLUSTER = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 _previous_current: dict[int, str | None] = {}
 
 

@@ -7,6 +7,7 @@ bench: RLHFDataset + DataLoader(num_workers, batch_size, collate_fn) end to end:
 dataproto: batches pickled by our side (``spec["batches"]``, a pickle file) go through verl's own trainer code:
        ``DataProto.from_single_dict`` and the generation pops, the lines executed as they stand in
        ``RayPPOTrainer.fit`` (verl/trainer/ppo/ray_trainer.py), then ``repeat(n, interleave=True)``.
+agent_loop: verl 0.9's agent loop, stock and on handed-off media (tools/oracle/agent_loop.py).
 """
 
 import json
@@ -252,9 +253,14 @@ def main():
         with open(spec["out"], "wb") as f:
             pickle.dump(trainer(spec), f)
         return
-    if mode == "trainer_v1":
+    if mode in ("trainer_v1", "agent_loop"):
         # run as a script, so its own folder is on sys.path, not the repository root that holds ``tools``
         sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        if mode == "agent_loop":
+            from tools.oracle.agent_loop import main as agent_loop
+
+            agent_loop(spec)
+            return
         from tools.oracle.trainer_v1 import trainer_v1
 
         with open(spec["out"], "wb") as f:

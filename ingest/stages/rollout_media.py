@@ -1,0 +1,91 @@
+"""The vision stage of verl 0.9 rows with ``media_handoff``: each prompt's media made once for the rollout.
+
+verl 0.9's agent loop makes a prompt's media again for every sample (``ingest/verl/rollout_media.py`` says what and
+where). Here the vision actors make them once per prompt with verl's own functions (``PromptMediaMaker``) and hand
+each prompt's payload to the run's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a
+fresh key, with the prompt's file and row; the row's media items become that payload's
+URIs and its decoded images leave the block. A prompt verl cannot make (its processor or qwen-vl-utils raises) is a
+bad row, quarantined or raised with file, row and reason, as in the other stages.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pyarrow as pa
+
+from ingest.accounting import BatchCounts, StageResult, row_location
+from ingest.blocks import MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN
+from ingest.config import DataConfig, StageContext
+from ingest.rowformat.collate import filled_raw_prompt
+from ingest.stages.bad_rows import BadRows
+
+
+def verl_data_section(config: DataConfig) -> dict:
+    """What verl's media functions read of its ``data:`` section."""
+    return {
+        "apply_chat_template_kwargs": dict(config.apply_chat_template_kwargs),
+        "mm_processor_kwargs": dict(config.mm_processor_kwargs),
+        "image_patch_size": config.image_patch_size,
+    }
+
+
+class RolloutMediaStage:
+    """Decoded verl 0.9 rows -> the same rows with media URIs, each prompt's payload in the object store."""
+
+    def __init__(self, processor_path: str, config: DataConfig, context: StageContext):
+        from ingest.verl.rollout_media import PromptMediaMaker
+
+        if context.media_store is None:
+            raise ValueError("media_handoff: the run has no media store (made by the loader that reads these rows)")
+        self.maker = PromptMediaMaker(processor_path, verl_data_section(config))
+        self.store_name = context.media_store
+        self.files, self.on_bad_row = list(context.files), config.on_bad_row
+        self._store = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            import ray
+
+            from ingest.verl.rollout_media import NAMESPACE
+
+            self._store = ray.get_actor(self.store_name, namespace=NAMESPACE)
+        return self._store
+
+    def process(self, table: pa.Table) -> StageResult:
+        import ray
+
+        from ingest.verl.rollout_media import handle_items
+
+        bad = BadRows(self.files, table, "raw_prompt")
+        rows = filled_raw_prompt(table)
+        held: list[tuple[str, list, str | None, int | None]] = []
+        for i, messages in enumerate(rows):
+            try:
+                payload = self.maker.make(messages)
+            except Exception as exc:
+                bad.add(i, f"the rollout's media could not be made: {type(exc).__name__}: {exc}")
+                continue
+            if payload["images"] is None and payload["videos"] is None:
+                continue  # a text prompt: nothing to hand off
+            key = uuid.uuid4().hex
+            file, row = row_location(self.files, table, i)
+            held.append((key, [ray.put(payload)], file, row))
+            handle_items(messages, self.store_name, key)
+        bad.raise_first(self.on_bad_row)
+        if held:  # registered before any consumer can see the rows
+            ray.get(self.store.adopt_many.remote(held))
+        kept = bad.kept()
+        out = table.drop_columns([c for c in (MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN) if c in table.column_names])
+        out = out.set_column(
+            out.column_names.index("raw_prompt"),
+            "raw_prompt",
+            pa.array([json.dumps(rows[i], ensure_ascii=False) for i in range(len(rows))], pa.string()),
+        )
+        if len(kept) < table.num_rows:
+            out = out.take(kept)
+        return StageResult(
+            out, BatchCounts(rows_in=table.num_rows, rows_out=len(kept), quarantined=len(bad)), bad.quarantine()
+        )

@@ -1,0 +1,102 @@
+"""``data.media_handoff``: each prompt's rollout media made once by the pipeline's vision actors and handed to verl
+0.9's agent loop through the object store. Against verl 0.9.1's own ``AgentLoopWorker`` (its oracle environment, on
+CPU, a stand-in server returning fixed tokens): what the agent loop hands the trainer and what the server receives are
+equal, sample by sample, and the hand-off worker runs neither qwen-vl-utils nor the processor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ingest.config import DataConfig
+from ingest.verl.rollout_media import (
+    HELD_BATCHES,
+    HeldMedia,
+    fetch_payload,
+    handle_items,
+    media_uri,
+    parse_media_uri,
+)
+from tests.support.tiers import slow
+from tools.oracle import oracle_available, run_verl
+from tools.samples import rollout_model_dir
+
+N = 3  # rollout.n
+
+
+def test_media_items_become_uris_of_one_prompt():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": object()},
+                {"type": "text", "text": "and"},
+                {"type": "video", "video": "a.mp4", "fps": 2.0},
+                {"type": "image", "image": 1},
+            ],
+        },
+    ]
+    handle_items(messages, "store", "key")
+    items = messages[1]["content"]
+    assert items[0] == {"type": "image", "image": media_uri("store", "key", "image", 0)}
+    assert items[1] == {"type": "text", "text": "and"}
+    assert items[2] == {"type": "video", "video": "ingest-media://store/key/video/0"}
+    assert parse_media_uri(items[3]["image"]) == ("store", "key", "image", 1)
+    assert parse_media_uri("/data/a.png") is None and parse_media_uri(None) is None
+
+
+def test_media_handoff_is_for_verl_09_rows():
+    with pytest.raises(ValueError, match="verl-0.9 rows"):
+        DataConfig(media_handoff=True, row_format="verl-0.5")
+    assert DataConfig(media_handoff=True, row_format="verl-0.9").media_handoff
+
+
+def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_session):
+    import ray
+
+    held = HeldMedia()
+    batches = []
+    for step in range(HELD_BATCHES + 2):
+        key = f"k{step}"
+        ray.get(held.store.adopt_many.remote([(key, [ray.put({"images": [step], "videos": None})], "f.parquet", step)]))
+        item = {"type": "image", "image": media_uri(held.name, key, "image", 0)}
+        held.handed_out([[{"role": "user", "content": [item]}]])
+        batches.append(key)
+        assert ray.get(held.store.size.remote()) == min(step + 1, HELD_BATCHES)
+    assert fetch_payload(held.name, batches[-1])["images"] == [HELD_BATCHES + 1]
+    with pytest.raises(LookupError, match="no such prompt media"):
+        fetch_payload(held.name, batches[0])
+
+
+@slow
+def test_handed_off_media_give_verl_09s_agent_loop_inputs(geo3k_files, model_dir, tmp_path):
+    if not oracle_available("verl-0.9"):
+        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    spec = {"model": model, "n": N, "batch_size": 8, "batches": 2, "prompt_length": 4096}
+    result = run_verl("agent_loop", list(geo3k_files), model, None, row_format="verl-0.9", timeout=900, **spec)
+    assert len(result["expected"]) == 2
+    for expected, handed in zip(result["expected"], result["handed_off"], strict=True):
+        assert expected["tensors"].keys() == handed["tensors"].keys()
+        for name, tensor in expected["tensors"].items():
+            assert torch.equal(tensor, handed["tensors"][name]), name
+        assert len(expected["multi_modal_inputs"]) == 8 * N
+        for ours, theirs in zip(handed["multi_modal_inputs"], expected["multi_modal_inputs"], strict=True):
+            assert ours.keys() == theirs.keys() and "pixel_values" in theirs
+            for name, tensor in theirs.items():
+                assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    # the server gets the same prompt ids and images (the samples of a batch finish in any order)
+    order = lambda request: request["prompt_ids"]  # noqa: E731
+    stock, ours = sorted(result["stock_requests"], key=order), sorted(result["handoff_requests"], key=order)
+    assert len(stock) == len(ours) == 2 * 8 * N
+    for theirs, mine in zip(stock, ours, strict=True):
+        assert theirs["prompt_ids"] == mine["prompt_ids"]
+        assert len(theirs["images"]) == len(mine["images"]) > 0
+        assert all(np.array_equal(a, b) for a, b in zip(theirs["images"], mine["images"], strict=True))
+    # no sample made its prompt's media again; the rows carried URIs, not images
+    counts = result["handoff_counts"]
+    assert counts["process_vision_info"] == 0 and counts["processor"] == 0, counts
+    items = [item for message in result["last_raw_prompt"][0] for item in message["content"] if item["type"] == "image"]
+    assert items and all(parse_media_uri(item["image"]) for item in items)

@@ -1,0 +1,169 @@
+"""verl's own agent loop on CPU, stock and on handed-off media (``data.media_handoff``), inside a verl 0.9 oracle
+environment (``verl_runner.py agent_loop SPEC``).
+
+Both sides take the same prompts from this pipeline's ``VerlDataLoader`` (verl-0.9 rows, proven equal to verl's own
+``RLHFDataset`` rows by the parity tests): the stock side as the rows are, through verl's ``AgentLoopWorker`` with
+its ``RLHFDataset``; the hand-off side with ``media_handoff`` on, through ``IngestAgentLoopWorker`` in a Ray actor of
+its own (the media fetched from the object store in another process) with ``IngestDataset``. Each prompt runs
+``rollout.n`` times, as verl's trainer repeats a batch; a stand-in LLM server returns fixed tokens, so a prompt's
+samples are alike and the two sides comparable sample by sample. What each side hands the trainer
+(``generate_sequences``' tensors and ``multi_modal_inputs``) and what the server receives (prompt ids, images) is
+pickled, with the hand-off worker's count of qwen-vl-utils and processor calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+
+RESPONSE_TOKENS = [9707, 11, 1879, 0, 151645]  # "Hello, world!<|im_end|>" in Qwen2's vocabulary
+
+
+class FixedTokenServer:
+    """verl's LLM server client, standing in: every request gets ``RESPONSE_TOKENS``; requests are recorded."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        images = [np.asarray(image) for image in image_data or []]
+        videos = [np.asarray(video[0] if isinstance(video, tuple) else video) for video in video_data or []]
+        self.requests.append({"prompt_ids": list(prompt_ids), "images": images, "videos": videos})
+        return TokenOutput(token_ids=list(RESPONSE_TOKENS), num_preempted=0)
+
+
+class CallCounter:
+    """Counts qwen-vl-utils' ``process_vision_info`` and the processor's calls in this process."""
+
+    def __init__(self, processor: Any):
+        import qwen_vl_utils
+
+        self.counts = {"process_vision_info": 0, "processor": 0}
+        fetch, processor_class = qwen_vl_utils.process_vision_info, type(processor)
+        call = processor_class.__call__
+
+        def counted_fetch(*args, **kwargs):
+            self.counts["process_vision_info"] += 1
+            return fetch(*args, **kwargs)
+
+        def counted_call(processor_self, *args, **kwargs):
+            self.counts["processor"] += 1
+            return call(processor_self, *args, **kwargs)
+
+        qwen_vl_utils.process_vision_info = counted_fetch
+        processor_class.__call__ = counted_call
+
+
+def trainer_config(model: str, n: int, prompt_length: int, handoff: bool):
+    """verl's own ``ppo_trainer`` config (its installed yaml) with the rollout settings this comparison needs."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
+        "actor_rollout_ref.rollout.response_length=64",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.name=vllm",
+    ]
+    if handoff:
+        overrides += ["+data.custom_cls.path=pkg://ingest.verl.dataset", "+data.custom_cls.name=IngestDataset"]
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def repeated(batch: dict, n: int):
+    """A loader batch as verl's trainer hands it to the rollout: a ``DataProto``, each row ``n`` times in a row."""
+    from verl.protocol import DataProto
+
+    proto = DataProto.from_single_dict(dict(batch), meta_info={"global_steps": 1, "validate": False})
+    return proto.repeat(repeat_times=n, interleave=True)
+
+
+def plain(proto) -> dict:
+    return {
+        "tensors": {k: v.clone() for k, v in proto.batch.items()},
+        "multi_modal_inputs": [dict(x) for x in proto.non_tensor_batch["multi_modal_inputs"]],
+    }
+
+
+def _handoff_worker_class():
+    from ingest.verl.agent_loop import IngestAgentLoopWorker
+
+    class HandoffWorker(IngestAgentLoopWorker):
+        """``IngestAgentLoopWorker`` that reports its server's requests and its media call counts."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.counter = CallCounter(self.processor)
+
+        async def run(self, batch) -> tuple[dict, list, dict]:
+            started = time.process_time()
+            out = await self.generate_sequences(batch)
+            cpu = time.process_time() - started
+            return plain(out), self.llm_client.requests, {**self.counter.counts, "cpu_s": cpu}
+
+    return HandoffWorker
+
+
+def compare_on_loader_rows(spec: dict) -> dict:
+    """Both sides on the first ``spec["batches"]`` batches of the files' verl-0.9 rows."""
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from ingest.verl import VerlDataLoader
+
+    # the hand-off worker's actor imports this module: the repository root on its path, as on this process's
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    model, n, size = spec["model"], spec["n"], spec["batch_size"]
+    data = {"row_format": "verl-0.9", "shuffle": False, **spec.get("data", {})}
+
+    def first_batches(config: dict) -> tuple[VerlDataLoader, list[dict]]:
+        """The loader (it holds the store of its handed-off media: keep it) and its first batches."""
+        loader = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
+        return loader, [batch for _, batch in zip(range(spec["batches"]), loader, strict=False)]
+
+    stock_server = FixedTokenServer()
+    stock = AgentLoopWorker(trainer_config(model, n, spec["prompt_length"], False), stock_server)
+    expected, stock_cpu = [], 0.0
+    for batch in first_batches(data)[1]:
+        started = time.process_time()
+        expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n)))))
+        stock_cpu += time.process_time() - started
+
+    config = trainer_config(model, n, spec["prompt_length"], True)
+    worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(config, FixedTokenServer())
+    handed, requests, counts = [], [], []
+    loader, batches = first_batches({**data, "media_handoff": True})
+    for batch in batches:
+        out, seen, count = ray.get(worker.run.remote(repeated(batch, n)))
+        handed.append(out)
+        counts.append(count)
+    requests = seen  # the worker's server keeps every request of the run
+    raw_prompt = batch["raw_prompt"]
+    ray.shutdown()
+    return {
+        "expected": expected,
+        "handed_off": handed,
+        "stock_requests": stock_server.requests,
+        "handoff_requests": requests,
+        "handoff_counts": counts[-1],
+        "stock_cpu_s": stock_cpu,
+        "last_raw_prompt": list(raw_prompt),
+    }
+
+
+def main(spec: dict) -> None:
+    result = compare_on_loader_rows(spec)
+    with open(spec["out"], "wb") as f:
+        pickle.dump(result, f)
