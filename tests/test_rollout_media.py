@@ -100,3 +100,28 @@ def test_handed_off_media_give_verl_09s_agent_loop_inputs(geo3k_files, model_dir
     assert counts["process_vision_info"] == 0 and counts["processor"] == 0, counts
     items = [item for message in result["last_raw_prompt"][0] for item in message["content"] if item["type"] == "image"]
     assert items and all(parse_media_uri(item["image"]) for item in items)
+
+
+def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
+    from omegaconf import OmegaConf
+
+    from ingest.verl.main_ppo import HANDOFF_MANAGERS, use_handoff_manager
+
+    def config(handoff: bool, use_v1: bool, manager: str | None = None):
+        agent = {"num_workers": 8, **({"agent_loop_manager_class": manager} if manager else {})}
+        return OmegaConf.create(
+            {
+                "data": {"media_handoff": handoff},
+                "trainer": {"use_v1": use_v1},
+                "actor_rollout_ref": {"rollout": {"agent": agent}},
+            }
+        )
+
+    for use_v1 in (False, True):
+        chosen = config(True, use_v1)
+        assert use_handoff_manager(chosen) == HANDOFF_MANAGERS[use_v1]
+        assert chosen.actor_rollout_ref.rollout.agent.agent_loop_manager_class == HANDOFF_MANAGERS[use_v1]
+    off = config(False, False)
+    assert use_handoff_manager(off) is None and "agent_loop_manager_class" not in off.actor_rollout_ref.rollout.agent
+    with pytest.raises(ValueError, match="agent_loop_manager_class is my.Manager"):
+        use_handoff_manager(config(True, False, "my.Manager"))

@@ -4,7 +4,8 @@ The same command line as ``python -m verl.trainer.main_ppo`` (verl 0.5, 0.6, 0.7
 Hydra config, its checks and its task runner run as they are. Only two things differ, both inside the task runner's
 process, before its ``run``: ``data.custom_cls`` selects ``IngestDataset`` (verl's dataset is never built: no load, no
 filter pass), and the trainer class ``run`` builds is ``ingest_trainer``'s subclass of it (``RayPPOTrainer``, or the
-v1 trainer registered for ``trainer.v1.trainer_mode``), so the dataloaders are ``VerlDataLoader``\\ s.
+v1 trainer registered for ``trainer.v1.trainer_mode``), so the dataloaders are ``VerlDataLoader``\\ s. With
+``data.media_handoff`` a third: the rollout's agent-loop manager is ``ingest.verl.agent_loop``'s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ def _use_ingest_trainer(config: Any, run_function: Any) -> str:
     return names["RayPPOTrainer"].__name__
 
 
+HANDOFF_MANAGERS = {  # trainer.use_v1 -> the agent-loop manager that takes handed-off media (ingest.verl.agent_loop)
+    False: "ingest.verl.agent_loop.IngestAgentLoopManager",
+    True: "ingest.verl.agent_loop.IngestAgentLoopManagerTQ",
+}
+
+
+def use_handoff_manager(config: Any) -> str | None:
+    """With ``data.media_handoff``, point ``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` at the manager
+    whose workers take the handed-off media (changed in place); another manager there is an error. None when off."""
+    from omegaconf import open_dict
+
+    if not config.data.get("media_handoff"):
+        return None
+    manager = HANDOFF_MANAGERS[bool(config.get("trainer", {}).get("use_v1"))]
+    agent = config.actor_rollout_ref.rollout.get("agent") or {}
+    chosen = agent.get("agent_loop_manager_class")
+    if chosen not in (None, manager):
+        raise ValueError(
+            f"data.media_handoff: actor_rollout_ref.rollout.agent.agent_loop_manager_class is {chosen}; the handed-off "
+            f"media are taken by {manager} (remove the key, or turn media_handoff off)"
+        )
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = manager
+    return manager
+
+
 class _IngestRun:
     """Mixed in front of verl's task runner class: its ``run`` with the two changes above."""
 
@@ -50,6 +77,9 @@ class _IngestRun:
         verl_run = inspect.unwrap(next(vars(c)["run"] for c in after if "run" in vars(c)))
         name = _use_ingest_trainer(config, verl_run)
         print(f"[ingest] verl's task runner trains with {name}: data.custom_cls = {CUSTOM_CLS['name']}", flush=True)
+        manager = use_handoff_manager(config)
+        if manager is not None:
+            print(f"[ingest] data.media_handoff: the rollout's agent-loop manager is {manager}", flush=True)
         return super().run(config)
 
 
