@@ -195,9 +195,9 @@ class DataConfig:
     # warning). The CPU always runs the uint8 kernel
     vision_device_resize: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
-    # verl-0.9 rows: the vision actors make each prompt's media for the rollout once (the fetched images and videos, the
-    # prompt ids, the training inputs: ingest/verl/rollout_media.py) and the rows carry ingest-media:// URIs in their
-    # place; verl's agent loop takes them through ingest.verl.agent_loop (python -m ingest.verl.main_ppo sets it up)
+    # verl-0.7 / 0.9 rows: the vision actors make each prompt's media for the rollout once (the fetched images and
+    # videos, the prompt ids, the training inputs: ingest/verl/rollout_media.py) and the rows carry ingest-media:// URIs
+    # in their place; verl's agent loop takes them through ingest.verl.agent_loop (ingest.verl.main_ppo sets it up)
     media_handoff: bool = False
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system costs less CPU for read + tokenize + decode
@@ -253,10 +253,10 @@ class DataConfig:
                 f"row_format {self.row_format} rows carry images and video sources, not model inputs: there is no "
                 "vision stage to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
             )
-        if self.media_handoff and self.row_format != "verl-0.9":
+        if self.media_handoff and not self.raw_prompt_rows:
             raise ValueError(
-                f"data.media_handoff: the rollout's media are handed off for verl-0.9 rows (verl 0.8 / 0.9's agent "
-                f"loop), not for row_format {self.row_format}"
+                f"data.media_handoff: the rollout's media are handed off to verl 0.7 and 0.9's agent loop "
+                f"(verl-0.7 / verl-0.9 rows), not for row_format {self.row_format}"
             )
         if self.function_tool_path and self.row_format == "verl-0.9":
             raise ValueError(

@@ -1,7 +1,7 @@
-"""``data.media_handoff``: each prompt's rollout media made once by the pipeline's vision actors and handed to verl
-0.9's agent loop through the object store. Against verl 0.9.1's own ``AgentLoopWorker`` (its oracle environment, on
-CPU, a stand-in server returning fixed tokens): what the agent loop hands the trainer and what the server receives are
-equal, sample by sample, and the hand-off worker runs neither qwen-vl-utils nor the processor."""
+"""``data.media_handoff``: each prompt's rollout media made once by the pipeline's vision actors and handed to verl's
+agent loop through the object store. Against verl 0.9.1's and 0.7.1's own ``AgentLoopWorker`` (each in its oracle
+environment, on CPU, a stand-in server returning fixed tokens): what the agent loop hands the trainer and what the
+server receives are equal, sample by sample, and the hand-off worker runs neither qwen-vl-utils nor the processor."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from ingest.verl.rollout_media import (
     HELD_BATCHES,
     HeldMedia,
     fetch_payload,
+    handed_off,
     handle_items,
     media_uri,
     parse_media_uri,
+    sample_media,
 )
 from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
@@ -47,10 +49,28 @@ def test_media_items_become_uris_of_one_prompt():
     assert parse_media_uri("/data/a.png") is None and parse_media_uri(None) is None
 
 
-def test_media_handoff_is_for_verl_09_rows():
-    with pytest.raises(ValueError, match="verl-0.9 rows"):
-        DataConfig(media_handoff=True, row_format="verl-0.5")
+def test_each_sample_gets_its_own_media_lists_taken_for_the_payloads_only_while_unchanged():
+    import pickle
+
+    first, second, tools_image = object(), object(), object()
+    payload = {"images": [first, second], "videos": None, "audios": None}
+    images, videos, _ = sample_media(payload)
+    assert videos is None and handed_off(images, None) is payload
+    other, _, _ = sample_media(payload)
+    assert other is not images and handed_off(other, None) is payload
+    images.append(tools_image)  # verl's tool loop appends a tool's images to the list it was given
+    assert handed_off(images, None) is None and payload["images"] == [first, second]
+    assert handed_off([first, second], None) is None  # media not handed off (verl's own lists)
+    assert handed_off(other, []) is None  # and no other kind of media beside them
+    assert type(pickle.loads(pickle.dumps(other))) is list  # to the LLM server as a plain list
+
+
+def test_media_handoff_is_for_the_agent_loops_rows():
+    for row_format in ("verl-0.5", "verl-0.6"):
+        with pytest.raises(ValueError, match="verl-0.7 / verl-0.9 rows"):
+            DataConfig(media_handoff=True, row_format=row_format)
     assert DataConfig(media_handoff=True, row_format="verl-0.9").media_handoff
+    assert DataConfig(media_handoff=True, row_format="verl-0.7").media_handoff
 
 
 def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_session):
@@ -71,12 +91,20 @@ def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_sess
 
 
 @slow
-def test_handed_off_media_give_verl_09s_agent_loop_inputs(geo3k_files, model_dir, tmp_path):
-    if not oracle_available("verl-0.9"):
-        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+@pytest.mark.parametrize("row_format", ["verl-0.9", "verl-0.7"])
+def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format):
+    if not oracle_available(row_format):
+        pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
     model = rollout_model_dir(tmp_path / "model", model_dir)
-    spec = {"model": model, "n": N, "batch_size": 8, "batches": 2, "prompt_length": 4096}
-    result = run_verl("agent_loop", list(geo3k_files), model, None, row_format="verl-0.9", timeout=900, **spec)
+    spec = {
+        "model": model,
+        "n": N,
+        "batch_size": 8,
+        "batches": 2,
+        "prompt_length": 4096,
+        "data": {"row_format": row_format},
+    }
+    result = run_verl("agent_loop", list(geo3k_files), model, None, row_format=row_format, timeout=900, **spec)
     assert len(result["expected"]) == 2
     for expected, handed in zip(result["expected"], result["handed_off"], strict=True):
         assert expected["tensors"].keys() == handed["tensors"].keys()

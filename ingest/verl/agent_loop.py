@@ -1,12 +1,13 @@
-"""verl 0.9's agent-loop classes, taking a prompt's media from the pipeline (``rollout_media``) where verl would
-make them again for each sample. Selected by configuration, nothing of verl's edited: ``IngestAgentLoopManager``
+"""verl 0.7 and 0.9's agent-loop classes, taking a prompt's media from the pipeline (``rollout_media``) where verl
+would make them again for each sample. Selected by configuration, nothing of verl's edited: ``IngestAgentLoopManager``
 (``IngestAgentLoopManagerTQ`` for the v1 trainers) through ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``,
 which ``python -m ingest.verl.main_ppo`` sets when ``data.media_handoff`` is on.
 
 Per sample of a prompt whose rows carry media URIs:
-- its images and videos: ``IngestDataset.process_multi_modal_info`` returns the fetched payload's (no qwen-vl-utils);
-- its prompt ids: the agent loop's continuous-token builder returns the payload's for the payload's own media and no
-  tools (``_HandedOffPromptTokens``; verl's length checks run on them as on its own);
+- its images and videos: ``IngestDataset.process_multi_modal_info`` (0.7: ``process_vision_info``) returns the
+  fetched payload's, in lists of the sample's own (no qwen-vl-utils);
+- its prompt ids: the agent loop's continuous-token builder (0.7: its ``apply_chat_template``) returns the payload's
+  for the payload's own media and no tools (verl 0.9's length checks run on them as on its own);
 - its training inputs: the worker's ``_compute_multi_modal_inputs`` returns a copy of the payload's for the payload's
   own media (a trajectory whose media grew, a tool's images, gets verl's own computation).
 Position ids stay verl's: they depend on the response.
@@ -45,9 +46,20 @@ class _HandedOffPromptTokens:
 
 
 class _HandedOffTokensMixin:
+    """verl 0.9: the loop's builder wrapped (``_HandedOffPromptTokens``); verl 0.7: its ``apply_chat_template``."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.continuous_token_builder = _HandedOffPromptTokens(self.continuous_token_builder)
+        if hasattr(self, "continuous_token_builder"):
+            self.continuous_token_builder = _HandedOffPromptTokens(self.continuous_token_builder)
+
+    async def apply_chat_template(self, messages, tools=None, images=None, videos=None, remove_system_prompt=False):
+        payload = None if tools or remove_system_prompt else handed_off(images, videos)
+        if payload is None:  # tool schemas, a tool turn's messages: verl renders them
+            return await super().apply_chat_template(
+                messages, tools=tools, images=images, videos=videos, remove_system_prompt=remove_system_prompt
+            )
+        return list(payload["prompt_ids"])
 
 
 class IngestSingleTurnAgentLoop(_HandedOffTokensMixin, SingleTurnAgentLoop):

@@ -116,16 +116,26 @@ class IngestDataset(_VerlDataset):
         self.__dict__.update(state)
 
     @classmethod
+    async def process_vision_info(cls, messages: list[dict], image_patch_size: int, config: Any) -> tuple:
+        """verl 0.7's agent loop asks this for a prompt's images and videos: as ``process_multi_modal_info``."""
+        from ingest.verl.rollout_media import prompt_media, sample_media
+
+        payload = prompt_media(messages)
+        if payload is None:
+            return await super().process_vision_info(messages, image_patch_size=image_patch_size, config=config)
+        return sample_media(payload)[:2]
+
+    @classmethod
     async def process_multi_modal_info(cls, messages: list[dict], image_patch_size: int, config: Any) -> tuple:
         """verl 0.9's agent loop asks this for a prompt's images, videos and audios: for a prompt whose media were
         handed off (``data.media_handoff``: its items are media URIs) the payload's, fetched once per process;
         else verl's own."""
-        from ingest.verl.rollout_media import prompt_media
+        from ingest.verl.rollout_media import prompt_media, sample_media
 
         payload = prompt_media(messages)
         if payload is None:
             return await super().process_multi_modal_info(messages, image_patch_size=image_patch_size, config=config)
-        return payload["images"], payload["videos"], payload["audios"]
+        return sample_media(payload)
 
     def loader(self, batch_size: int | None, *, drop_last: bool, shuffle: bool | None = None) -> VerlDataLoader:
         """The ``VerlDataLoader`` over these files and settings (``batch_size`` None: every row in one batch, as

@@ -87,10 +87,12 @@ def training_inputs(prompt_inputs: Mapping[str, Any]) -> dict:
 
 
 class PromptMediaMaker:
-    """What verl 0.9's agent loop makes of one prompt's media before and after generation, with verl's own functions
-    (the installed release; the pipeline's actors run in the trainer's environment): the fetched images and videos
-    (its dataset class's ``_process_multi_modal_info``), the prompt ids and processor outputs of its continuous-token
-    builder (no tools, as the single-turn loop asks), and the training inputs (``training_inputs``).
+    """What verl's agent loop makes of one prompt's media before and after generation, with verl's own functions (the
+    installed release; the pipeline's actors run in the trainer's environment): the fetched images and videos (its
+    dataset class's), the prompt ids and the processor's outputs for them (no tools, as the single-turn loop asks),
+    and the training inputs (``training_inputs``). verl 0.9 renders the prompt with its continuous-token builder;
+    verl 0.7 with ``AgentLoopBase.apply_chat_template``'s processor call, made here as it stands there. verl 0.8.0's
+    agent loop is neither and is refused.
 
     ``model_path``: the model folder verl's rollout loads (``actor_rollout_ref.model.path``; its ``config.json``
     names the model type that picks the builder). ``data``: verl's ``data:`` section (``apply_chat_template_kwargs``,
@@ -98,10 +100,8 @@ class PromptMediaMaker:
 
     def __init__(self, model_path: str, data: Mapping[str, Any]):
         from omegaconf import OmegaConf
-        from transformers import AutoConfig
         from verl.utils import hf_processor, hf_tokenizer
         from verl.utils.dataset.rl_dataset import RLHFDataset
-        from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
         self.tokenizer = hf_tokenizer(model_path)
         self.processor = hf_processor(model_path)
@@ -110,25 +110,46 @@ class PromptMediaMaker:
         self.data = OmegaConf.create(dict(data))
         self.dataset_cls = RLHFDataset
         image_processor = getattr(self.processor, "image_processor", None)
-        self.image_patch_size = getattr(image_processor, "patch_size", 14)  # as AgentLoopBase.process_multi_modal_info
-        self.builder = create_continuous_token_builder(
-            self.tokenizer,
-            hf_model_type=getattr(AutoConfig.from_pretrained(model_path), "model_type", None),
-            chat_template_kwargs=self.data.get("apply_chat_template_kwargs", {}),
-            mm_processor_kwargs=self.data.get("mm_processor_kwargs", {}),
-            processor=self.processor,
-        )
+        self.image_patch_size = getattr(image_processor, "patch_size", 14)  # as AgentLoopBase's
+        self.builder = None
+        try:  # verl 0.9
+            from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+        except ImportError:  # verl 0.7 and 0.8 (``verl.utils.tokenizer`` is a module there)
+            create_continuous_token_builder = None
+        if create_continuous_token_builder is not None:
+            from transformers import AutoConfig
+
+            self.builder = create_continuous_token_builder(
+                self.tokenizer,
+                hf_model_type=getattr(AutoConfig.from_pretrained(model_path), "model_type", None),
+                chat_template_kwargs=self.data.get("apply_chat_template_kwargs", {}),
+                mm_processor_kwargs=self.data.get("mm_processor_kwargs", {}),
+                processor=self.processor,
+            )
+        elif hasattr(RLHFDataset, "process_multi_modal_info"):
+            import verl
+
+            raise ValueError(f"media_handoff: verl {verl.__version__}'s agent loop is not supported (0.7.1, 0.9)")
 
     def make(self, messages: list[dict]) -> dict:
         """One prompt's payload: ``images`` / ``videos`` / ``audios`` (verl's lists, None where it has none),
-        ``prompt_ids``, ``prompt_inputs`` (the builder's processor outputs but the ids) and ``training_inputs``."""
-        images, videos, audios = self.dataset_cls._process_multi_modal_info(
-            messages, image_patch_size=self.image_patch_size, config=self.data
-        )
+        ``prompt_ids``, ``prompt_inputs`` (the processor's outputs but the ids) and ``training_inputs``."""
         prompt_inputs: dict[str, Any] = {}
-        prompt_ids = self.builder.build_initial_tokens(
-            messages, images=images, videos=videos, audios=audios, mm_inputs_out=prompt_inputs
-        )
+        if self.builder is not None:
+            images, videos, audios = self.dataset_cls._process_multi_modal_info(
+                messages, image_patch_size=self.image_patch_size, config=self.data
+            )
+            prompt_ids = self.builder.build_initial_tokens(
+                messages, images=images, videos=videos, audios=audios, mm_inputs_out=prompt_inputs
+            )
+        else:
+            import asyncio
+
+            audios = None
+            images, videos = asyncio.run(
+                self.dataset_cls.process_vision_info(messages, image_patch_size=self.image_patch_size, config=self.data)
+            )
+            prompt_ids = self._verl_07_prompt(messages, images, videos, prompt_inputs)
         return {
             "images": images,
             "videos": videos,
@@ -137,6 +158,31 @@ class PromptMediaMaker:
             "prompt_inputs": prompt_inputs,
             "training_inputs": training_inputs(prompt_inputs),
         }
+
+    def _verl_07_prompt(self, messages: list[dict], images, videos, prompt_inputs: dict) -> list[int]:
+        """verl 0.7.1's ``AgentLoopBase.apply_chat_template`` (processor path, no tools), keeping the processor's other
+        outputs in ``prompt_inputs``."""
+        from verl.utils.chat_template import apply_chat_template
+        from verl.utils.tokenizer import normalize_token_ids
+
+        kwargs = self.data.get("apply_chat_template_kwargs", {})
+        raw_prompt = apply_chat_template(
+            self.processor, messages, tools=None, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        video_metadatas = None
+        if videos is not None:
+            videos, video_metadatas = (list(part) for part in zip(*videos, strict=False))
+        model_inputs = self.processor(
+            text=[raw_prompt],
+            images=images,
+            videos=videos,
+            video_metadata=video_metadatas,
+            return_tensors="pt",
+            do_sample_frames=False,
+        )
+        prompt_ids = normalize_token_ids(model_inputs.pop("input_ids"))
+        prompt_inputs.update(model_inputs)
+        return prompt_ids
 
 
 class MediaStore:
@@ -174,13 +220,11 @@ class MediaStore:
 
 
 class _ProcessCache:
-    """The payloads this process fetched, most recent last, and the payload each fetched media list belongs to (by
-    identity: verl passes the very lists on, from the agent loop to the worker's postprocess)."""
+    """The payloads this process fetched, most recent last."""
 
     def __init__(self, size: int):
         self.size = size
         self.payloads: OrderedDict[str, dict] = OrderedDict()
-        self.by_media: dict[int, dict] = {}
         self.lock = threading.Lock()
 
     def get(self, key: str) -> dict | None:
@@ -193,15 +237,23 @@ class _ProcessCache:
     def put(self, key: str, payload: dict) -> dict:
         with self.lock:
             self.payloads[key] = payload
-            for media in (payload["images"], payload["videos"]):
-                if media is not None:
-                    self.by_media[id(media)] = payload
             while len(self.payloads) > self.size:
-                _, old = self.payloads.popitem(last=False)
-                for media in (old["images"], old["videos"]):
-                    if media is not None and self.by_media.get(id(media)) is old:
-                        del self.by_media[id(media)]
+                self.payloads.popitem(last=False)
             return payload
+
+
+class HandedOffMedia(list):
+    """A sample's own list of a payload's images (or videos), knowing its payload: verl's loops may add to the list
+    they are given (the tool loop appends a tool's images), so each sample gets a list of its own, and the payload's
+    prompt ids and training inputs are used only while the list still holds exactly the payload's media. Pickled as
+    a plain list (it goes to the LLM server as verl's own would)."""
+
+    def __init__(self, media: Iterable, payload: dict):
+        super().__init__(media)
+        self.payload = payload
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 _CACHE = _ProcessCache(PROCESS_CACHE_PROMPTS)
@@ -246,17 +298,37 @@ def prompt_media(messages: Iterable[Mapping]) -> dict | None:
 
 
 def handed_off(images: Any, videos: Any) -> dict | None:
-    """The payload whose fetched media lists are ``images`` / ``videos`` themselves (identity), else None: media a
-    trajectory added (a tool's images) or made itself are never taken for the prompt's."""
-    for media in (images, videos):
-        if media is not None:
-            payload = _CACHE.by_media.get(id(media))
-            if payload is None:
-                return None
-            if payload["images"] is (images or None) and payload["videos"] is (videos or None):
-                return payload
+    """The payload whose media ``images`` / ``videos`` are (``HandedOffMedia`` of one payload, each still holding
+    exactly that payload's items, and no other kind of media), else None: media a trajectory added or made itself
+    are never taken for the prompt's."""
+    payload = None
+    for media, kind in ((images, "images"), (videos, "videos")):
+        if media is None:
+            continue
+        owner = getattr(media, "payload", None)
+        if owner is None or (payload is not None and owner is not payload):
             return None
-    return None
+        own = owner[kind] or []
+        if len(media) != len(own) or any(a is not b for a, b in zip(media, own, strict=True)):
+            return None
+        payload = owner
+    if (
+        payload is None
+        or (images is None) != (payload["images"] is None)
+        or (videos is None) != (payload["videos"] is None)
+    ):
+        return None
+    return payload
+
+
+def sample_media(payload: dict) -> tuple:
+    """``(images, videos, audios)`` of a payload for one sample: lists of its own (``HandedOffMedia``)."""
+    images, videos = payload["images"], payload["videos"]
+    return (
+        None if images is None else HandedOffMedia(images, payload),
+        None if videos is None else HandedOffMedia(videos, payload),
+        payload["audios"],
+    )
 
 
 # --- the loader side ------------------------------------------------------------------------------------------------

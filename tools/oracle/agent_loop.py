@@ -1,7 +1,7 @@
-"""verl's own agent loop on CPU, stock and on handed-off media (``data.media_handoff``), inside a verl 0.9 oracle
-environment (``verl_runner.py agent_loop SPEC``).
+"""verl's own agent loop on CPU, stock and on handed-off media (``data.media_handoff``), inside a verl 0.7 or 0.9
+oracle environment (``verl_runner.py agent_loop SPEC``).
 
-Both sides take the same prompts from this pipeline's ``VerlDataLoader`` (verl-0.9 rows, proven equal to verl's own
+Both sides take the same prompts from this pipeline's ``VerlDataLoader`` (its rows, proven equal to verl's own
 ``RLHFDataset`` rows by the parity tests): the stock side as the rows are, through verl's ``AgentLoopWorker`` with
 its ``RLHFDataset``; the hand-off side with ``media_handoff`` on, through ``IngestAgentLoopWorker`` in a Ray actor of
 its own (the media fetched from the object store in another process) with ``IngestDataset``. Each prompt runs
@@ -95,21 +95,45 @@ def plain(proto) -> dict:
     }
 
 
+def takes_llm_client() -> bool:
+    """verl 0.9's worker takes its LLM client as an argument; 0.7.1's makes a server manager unless it has one."""
+    import inspect
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    return "llm_client" in inspect.signature(AgentLoopWorker.__init__).parameters
+
+
+def new_worker(cls: type, config, server: FixedTokenServer):
+    """A worker of ``cls`` whose LLM server is ``server``, on either release's constructor."""
+    if takes_llm_client():
+        return cls(config, server)
+    worker = object.__new__(cls)
+    worker.server_manager = server
+    cls.__init__(worker, config, [], None)
+    return worker
+
+
 def _handoff_worker_class():
     from ingest.verl.agent_loop import IngestAgentLoopWorker
 
     class HandoffWorker(IngestAgentLoopWorker):
         """``IngestAgentLoopWorker`` that reports its server's requests and its media call counts."""
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, config, server: FixedTokenServer):
+            self.server = server
+            if takes_llm_client():
+                super().__init__(config, server)
+            else:
+                self.server_manager = server
+                super().__init__(config, [], None)
             self.counter = CallCounter(self.processor)
 
         async def run(self, batch) -> tuple[dict, list, dict]:
             started = time.process_time()
             out = await self.generate_sequences(batch)
             cpu = time.process_time() - started
-            return plain(out), self.llm_client.requests, {**self.counter.counts, "cpu_s": cpu}
+            return plain(out), self.server.requests, {**self.counter.counts, "cpu_s": cpu}
 
     return HandoffWorker
 
@@ -126,7 +150,7 @@ def compare_on_loader_rows(spec: dict) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     model, n, size = spec["model"], spec["n"], spec["batch_size"]
-    data = {"row_format": "verl-0.9", "shuffle": False, **spec.get("data", {})}
+    data = {"shuffle": False, **spec["data"]}  # row_format among them
 
     def first_batches(config: dict) -> tuple[VerlDataLoader, list[dict]]:
         """The loader (it holds the store of its handed-off media: keep it) and its first batches."""
@@ -134,7 +158,7 @@ def compare_on_loader_rows(spec: dict) -> dict:
         return loader, [batch for _, batch in zip(range(spec["batches"]), loader, strict=False)]
 
     stock_server = FixedTokenServer()
-    stock = AgentLoopWorker(trainer_config(model, n, spec["prompt_length"], False), stock_server)
+    stock = new_worker(AgentLoopWorker, trainer_config(model, n, spec["prompt_length"], False), stock_server)
     expected, stock_cpu = [], 0.0
     for batch in first_batches(data)[1]:
         started = time.process_time()

@@ -7,7 +7,7 @@ bench: RLHFDataset + DataLoader(num_workers, batch_size, collate_fn) end to end:
 dataproto: batches pickled by our side (``spec["batches"]``, a pickle file) go through verl's own trainer code:
        ``DataProto.from_single_dict`` and the generation pops, the lines executed as they stand in
        ``RayPPOTrainer.fit`` (verl/trainer/ppo/ray_trainer.py), then ``repeat(n, interleave=True)``.
-agent_loop: verl 0.9's agent loop, stock and on handed-off media (tools/oracle/agent_loop.py).
+agent_loop: verl 0.7 / 0.9's agent loop, stock and on handed-off media (tools/oracle/agent_loop.py).
 """
 
 import json
