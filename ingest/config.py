@@ -196,7 +196,7 @@ class DataConfig:
     vision_device_resize: str = "auto"
     on_bad_row: str = "quarantine"  # or "raise": stop with one error naming file, row and reason
     # verl-0.7 / 0.9 rows: the vision actors make each prompt's media for the rollout once (the fetched images and
-    # videos, the prompt ids, the training inputs: ingest/verl/rollout_media.py) and the rows carry ingest-media:// URIs
+    # videos, the prompt ids, the training inputs: ingest/rollout_media.py) and the rows carry ingest-media:// URIs
     # in their place; verl's agent loop takes them through ingest.verl.agent_loop (ingest.verl.main_ppo sets it up)
     media_handoff: bool = False
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
@@ -323,7 +323,7 @@ class StageContext:
     ledger: Any = None
     keep_provenance: bool = False
     files_without_image_feature: frozenset[int] = frozenset()
-    media_store: str | None = None  # the run's MediaStore actor (media_handoff: ingest/verl/rollout_media.py)
+    media_store: str | None = None  # the run's MediaStore actor (media_handoff: ingest/rollout_media.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))

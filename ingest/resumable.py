@@ -132,7 +132,7 @@ class ResumableBatches:
         """The blocks of ``units`` (in their order) made by the actors, with their provenance columns."""
         if self.config.media_handoff and self._held_media is None:
             from ingest.datasets.pools import ensure_ray
-            from ingest.verl.rollout_media import HeldMedia
+            from ingest.rollout_media import HeldMedia
 
             ensure_ray()
             self._held_media = HeldMedia()

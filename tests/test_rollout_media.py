@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from ingest.config import DataConfig
-from ingest.verl.rollout_media import (
-    HELD_BATCHES,
-    HeldMedia,
-    fetch_payload,
-    handed_off,
-    handle_items,
-    media_uri,
-    parse_media_uri,
-    sample_media,
-)
+from ingest.rollout_media import HELD_BATCHES, HeldMedia, handle_items, media_uri, parse_media_uri
+from ingest.verl.rollout_media import fetch_payload, handed_off, sample_media
 from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import rollout_model_dir

@@ -1,10 +1,10 @@
-"""The vision stage of verl 0.9 rows with ``media_handoff``: each prompt's media made once for the rollout.
+"""The vision stage of verl 0.7 / 0.9 rows with ``media_handoff``: each prompt's media made once for the rollout.
 
-verl 0.9's agent loop makes a prompt's media again for every sample (``ingest/verl/rollout_media.py`` says what and
-where). Here the vision actors make them once per prompt with verl's own functions (``PromptMediaMaker``) and hand
-each prompt's payload to the run's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a
-fresh key, with the prompt's file and row; the row's media items become that payload's
-URIs and its decoded images leave the block. A prompt verl cannot make (its processor or qwen-vl-utils raises) is a
+verl's agent loop makes a prompt's media again for every sample (``ingest/rollout_media.py`` says what and where).
+Here the vision actors make them once per prompt with verl's own functions (``PromptMediaMaker``) and hand each
+prompt's payload to the run's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a fresh
+key, with the prompt's file and row; the row's media items become that payload's URIs and its decoded images leave
+the block. A prompt verl cannot make (its processor or qwen-vl-utils raises) is a
 bad row, quarantined or raised with file, row and reason, as in the other stages.
 """
 
@@ -35,7 +35,7 @@ class RolloutMediaStage:
     """Decoded verl 0.9 rows -> the same rows with media URIs, each prompt's payload in the object store."""
 
     def __init__(self, processor_path: str, config: DataConfig, context: StageContext):
-        from ingest.verl.rollout_media import PromptMediaMaker
+        from ingest.rollout_media import PromptMediaMaker
 
         if context.media_store is None:
             raise ValueError("media_handoff: the run has no media store (made by the loader that reads these rows)")
@@ -49,7 +49,7 @@ class RolloutMediaStage:
         if self._store is None:
             import ray
 
-            from ingest.verl.rollout_media import NAMESPACE
+            from ingest.rollout_media import NAMESPACE
 
             self._store = ray.get_actor(self.store_name, namespace=NAMESPACE)
         return self._store
@@ -57,7 +57,7 @@ class RolloutMediaStage:
     def process(self, table: pa.Table) -> StageResult:
         import ray
 
-        from ingest.verl.rollout_media import handle_items
+        from ingest.rollout_media import handle_items
 
         bad = BadRows(self.files, table, "raw_prompt")
         rows = filled_raw_prompt(table)

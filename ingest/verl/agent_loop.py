@@ -1,7 +1,8 @@
-"""verl 0.7 and 0.9's agent-loop classes, taking a prompt's media from the pipeline (``rollout_media``) where verl
-would make them again for each sample. Selected by configuration, nothing of verl's edited: ``IngestAgentLoopManager``
-(``IngestAgentLoopManagerTQ`` for the v1 trainers) through ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``,
-which ``python -m ingest.verl.main_ppo`` sets when ``data.media_handoff`` is on.
+"""verl 0.7 and 0.9's agent-loop classes, taking a prompt's media from the pipeline (``ingest.rollout_media``) where
+verl would make them again for each sample. Selected by configuration, nothing of verl's edited:
+``IngestAgentLoopManager`` (``IngestAgentLoopManagerTQ`` for the v1 trainers) through
+``actor_rollout_ref.rollout.agent.agent_loop_manager_class``, which ``python -m ingest.verl.main_ppo`` sets when
+``data.media_handoff`` is on.
 
 Per sample of a prompt whose rows carry media URIs:
 - its images and videos: ``IngestDataset.process_multi_modal_info`` (0.7: ``process_vision_info``) returns the
