@@ -145,3 +145,30 @@ def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
     assert use_handoff_manager(off) is None and "agent_loop_manager_class" not in off.actor_rollout_ref.rollout.agent
     with pytest.raises(ValueError, match="agent_loop_manager_class is my.Manager"):
         use_handoff_manager(config(True, False, "my.Manager"))
+
+
+@slow
+def test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume(model_dir, tmp_path):
+    """One loader over 96 prompts in batches of 8: each batch's media are held until the second batch after it is
+    handed out, then released; a loader
+    resumed from a ``state_dict`` makes the next batch's media again (new keys, the same payloads); once a loader's
+    store is gone, fetching from it says so."""
+    if not oracle_available("verl-0.9"):
+        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+    from tools.samples import write_geo3k_parquet
+
+    files = [str(f) for f in write_geo3k_parquet(tmp_path / "data", 96, num_files=2, row_group_size=12)]
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    spec = {"model": model, "batch_size": 8, "data": {"row_format": "verl-0.9"}, "check": "lifetime"}
+    result = run_verl("agent_loop", files, model, None, row_format="verl-0.9", timeout=900, **spec)
+    assert result["rows"] == 96
+    assert all(result["released"]) and all(result["last_held"]) and len(result["last_held"]) == HELD_BATCHES * 8
+    # once the epoch is made, the store holds the last two batches' media and nothing else
+    assert result["sizes"][-1] == HELD_BATCHES * 8, result["sizes"]
+    resume = result["resume"]
+    assert resume["index"][0] == resume["index"][1]
+    assert not set(resume["keys"][0]) & set(resume["keys"][1])  # made again, not the saved run's objects
+    for again, fresh in zip(*resume["payloads"], strict=True):
+        assert again["prompt_ids"] == fresh["prompt_ids"] and torch.equal(again["pixel_values"], fresh["pixel_values"])
+    gone = result["store_gone"]
+    assert gone["before"] == "fetched" and gone["after"].startswith("LookupError") and "store is gone" in gone["after"]

@@ -71,7 +71,14 @@ def fetch_payload(store: str, key: str) -> dict:
     import ray
     from ray.exceptions import ObjectLostError, OwnerDiedError
 
-    found = ray.get(ray.get_actor(store, namespace=NAMESPACE).lookup.remote(key))
+    try:
+        actor = ray.get_actor(store, namespace=NAMESPACE)
+    except ValueError as exc:
+        raise LookupError(
+            f"{URI_PREFIX}{store}/{key}: its media store is gone (the loader that made these rows ended, or its node "
+            "was lost): the rows must be read again"
+        ) from exc
+    found = ray.get(actor.lookup.remote(key))
     if found is None:
         raise LookupError(
             f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or from "

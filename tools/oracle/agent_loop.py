@@ -187,7 +187,102 @@ def compare_on_loader_rows(spec: dict) -> dict:
     }
 
 
+def _batch_keys(batch: dict) -> list[str]:
+    from ingest.rollout_media import media_items, parse_media_uri
+
+    return [
+        parse_media_uri(item[item["type"]])[1] for messages in batch["raw_prompt"] for item in media_items(messages)[:1]
+    ]
+
+
+def _held(loader, key: str):
+    """What the loader's store holds under ``key`` (``([ref], file, row)``), None where it holds nothing."""
+    import ray
+
+    return ray.get(loader._held_media.store.lookup.remote(key))
+
+
+def lifetime(spec: dict) -> dict:
+    """The hand-off's lifetime on one loader of ``spec["files"]``: the store's size after each batch; whether the
+    first batch's media are still held once ``HELD_BATCHES`` later batches were handed out; a resumed loader's keys
+    and payloads for the batch after the saved state; and what fetching a prompt raises once its store is gone."""
+    import ray
+
+    from ingest.rollout_media import HELD_BATCHES
+    from ingest.verl import VerlDataLoader
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    model, size = spec["model"], spec["batch_size"]
+    config = {"shuffle": False, "media_handoff": True, **spec["data"]}
+    loader = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
+    batches = iter(loader)
+    first = next(batches)
+    state = loader.state_dict()
+    second = next(batches)
+    sizes = [ray.get(loader._held_media.store.size.remote())]
+    keys = [_batch_keys(first), _batch_keys(second)]
+    for batch in batches:
+        keys.append(_batch_keys(batch))
+        sizes.append(ray.get(loader._held_media.store.size.remote()))
+    released = [_held(loader, key) is None for key in keys[0]]
+    last_held = [_held(loader, key) is not None for batch in keys[-HELD_BATCHES:] for key in batch]
+
+    resumed = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
+    resumed.load_state_dict(state)
+    resumed_batches = iter(resumed)
+    again = next(resumed_batches)
+
+    def payload(held_loader, key: str) -> dict:
+        (ref,), _, _ = _held(held_loader, key)
+        found = ray.get(ref)
+        return {"prompt_ids": found["prompt_ids"], "pixel_values": found["training_inputs"]["pixel_values"]}
+
+    # the batch after the saved state, made again by the resumed loader, against the same batch of a fresh loader
+    fresh = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
+    fresh_batches = iter(fresh)
+    next(fresh_batches)
+    fresh_second = next(fresh_batches)
+    resume = {
+        "index": (list(second["index"]), list(again["index"])),
+        "keys": (keys[1], _batch_keys(again)),
+        "payloads": (
+            [payload(resumed, k) for k in _batch_keys(again)],
+            [payload(fresh, k) for k in _batch_keys(fresh_second)],
+        ),
+    }
+
+    @ray.remote
+    def fetch(store: str, key: str) -> str:
+        from ingest.verl.rollout_media import fetch_payload
+
+        try:
+            fetch_payload(store, key)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "fetched"
+
+    for unfinished in (resumed_batches, fresh_batches):  # their pipelines stop while Ray is up
+        unfinished.close()
+    # a store that is gone (its loader ended): fetching from it says so (another prompt than the one fetched before:
+    # a worker process keeps what it fetched)
+    name, keys_again = resumed._held_media.name, _batch_keys(again)
+    before = ray.get(fetch.remote(name, keys_again[0]))
+    ray.kill(resumed._held_media.store)
+    gone = ray.get(fetch.remote(name, keys_again[1]))
+    ray.shutdown()
+    return {
+        "sizes": sizes,
+        "rows": sum(len(k) for k in keys),
+        "released": released,
+        "last_held": last_held,
+        "resume": resume,
+        "store_gone": {"before": before, "after": gone},
+    }
+
+
 def main(spec: dict) -> None:
-    result = compare_on_loader_rows(spec)
+    result = lifetime(spec) if spec.get("check") == "lifetime" else compare_on_loader_rows(spec)
     with open(spec["out"], "wb") as f:
         pickle.dump(result, f)
