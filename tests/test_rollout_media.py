@@ -172,3 +172,29 @@ def test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume(mode
         assert again["prompt_ids"] == fresh["prompt_ids"] and torch.equal(again["pixel_values"], fresh["pixel_values"])
     gone = result["store_gone"]
     assert gone["before"] == "fetched" and gone["after"].startswith("LookupError") and "store is gone" in gone["after"]
+
+
+def test_with_media_handoff_the_decode_stage_leaves_counting_rows_out_to_the_rollout_media_stage(
+    geo3k_files, model_dir
+):
+    """The rollout-media stage after decode can still find a row bad, so it counts the rows out (each count only
+    grows): the decode stage counts none and keeps the columns that stage counts and locates rows with."""
+    from actors.tokenize import TokenizeActor
+    from ingest.blocks import FILE_COLUMN, PROMPT_TOKENS_COLUMN
+    from ingest.config import StageContext
+    from ingest.datasets.plan import plan_input
+    from ingest.read.files import unify_schemas
+    from ingest.read.units import read_unit
+    from ingest.stages.decode import DecodeStage
+
+    config = DataConfig(row_format="verl-0.9", max_prompt_length=4096)
+    plan = plan_input(geo3k_files, config, multimodal=True)
+    schema = unify_schemas(plan.infos)
+    tokenize = TokenizeActor(config, StageContext(geo3k_files), model_dir, model_dir)
+    unit = plan.units[0]
+    table = next(iter(tokenize(read_unit(unit, plan.files[unit.file_index], schema, {}, None))))
+    handing_off = DecodeStage(DataConfig(row_format="verl-0.9", media_handoff=True))(table)
+    assert handing_off.counts.rows_out == 0 and handing_off.counts.prompt_tokens == 0
+    assert {PROMPT_TOKENS_COLUMN, FILE_COLUMN} <= set(handing_off.table.column_names)
+    plain = DecodeStage(DataConfig(row_format="verl-0.9"))(table)
+    assert plain.counts.rows_out == table.num_rows > 0 and PROMPT_TOKENS_COLUMN not in plain.table.column_names

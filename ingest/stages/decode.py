@@ -55,6 +55,8 @@ class DecodeStage:
         # a count decodes JPEGs with PIL, as the vision stage does any its device refuses
         self.defer_jpeg = config.vision_decode_jpeg_on_device and not count_only
         self.defer_video = config.vision_decode_video_on_device
+        # media_handoff: the rollout-media stage after this one can still find a row bad, so it counts the rows out
+        self.hands_off = config.media_handoff and not count_only
         if count_only and self.defer_video:  # only the device's decoder says which of them decode
             raise ValueError("videos decoded on a device (vision_decode_video_on_device) are counted where decoded")
 
@@ -93,7 +95,7 @@ class DecodeStage:
         bad.raise_first(self.on_bad_row)
         kept = bad.kept()
         # rows with media left to the vision stage can still turn out bad there: that stage counts them
-        counted = [i for i in kept if not _hasdeferred_values(images[i], frames[i])]
+        counted = [] if self.hands_off else [i for i in kept if not _hasdeferred_values(images[i], frames[i])]
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
         counts = BatchCounts(rows_out=len(counted), quarantined=len(bad), prompt_tokens=int(tokens[counted].sum()))
         quarantine = bad.quarantine(processed_row)
@@ -128,7 +130,7 @@ class DecodeStage:
         return {**record, "deferred": None} if self.defer_video else record
 
     def _drop_internal(self, table: pa.Table) -> pa.Table:
-        if self.defers:  # the vision stage locates, counts and then drops them (drop_internal_columns)
+        if self.defers or self.hands_off:  # the next stage locates, counts and then drops them (drop_internal_columns)
             return table
         return drop_internal_columns(table, self.keep_provenance)
 

@@ -15,8 +15,8 @@ import uuid
 
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, row_location
-from ingest.blocks import MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN
+from ingest.accounting import BatchCounts, StageResult, processed_row, row_location
+from ingest.blocks import MULTI_MODAL_DATA, PROMPT_TOKENS_COLUMN, STRUCT_IMAGE_BYTES_COLUMN, drop_internal_columns
 from ingest.config import DataConfig, StageContext
 from ingest.rowformat.collate import filled_raw_prompt
 from ingest.stages.bad_rows import BadRows
@@ -42,6 +42,7 @@ class RolloutMediaStage:
         self.maker = PromptMediaMaker(processor_path, verl_data_section(config))
         self.store_name = context.media_store
         self.files, self.on_bad_row = list(context.files), config.on_bad_row
+        self.keep_provenance = context.keep_provenance
         self._store = None
 
     @property
@@ -78,14 +79,14 @@ class RolloutMediaStage:
         if held:  # registered before any consumer can see the rows
             ray.get(self.store.adopt_many.remote(held))
         kept = bad.kept()
-        out = table.drop_columns([c for c in (MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN) if c in table.column_names])
-        out = out.set_column(
-            out.column_names.index("raw_prompt"),
-            "raw_prompt",
-            pa.array([json.dumps(rows[i], ensure_ascii=False) for i in range(len(rows))], pa.string()),
-        )
+        # the decode stage left the rows to this one to count (media_handoff): rows out and their prompt tokens
+        tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()
+        counts = BatchCounts(rows_out=len(kept), quarantined=len(bad), prompt_tokens=int(tokens[kept].sum()))
+        quarantine = bad.quarantine(processed_row)
+        media_columns = (MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN)
+        out = table.drop_columns([c for c in media_columns if c in table.column_names])
+        messages = pa.array([json.dumps(rows[i], ensure_ascii=False) for i in range(len(rows))], pa.string())
+        out = out.set_column(out.column_names.index("raw_prompt"), "raw_prompt", messages)
         if len(kept) < table.num_rows:
             out = out.take(kept)
-        return StageResult(
-            out, BatchCounts(rows_in=table.num_rows, rows_out=len(kept), quarantined=len(bad)), bad.quarantine()
-        )
+        return StageResult(drop_internal_columns(out, self.keep_provenance), counts, quarantine)
