@@ -159,14 +159,24 @@ def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dic
     return counts
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """The entries to run (all by default) and the extra pytest arguments."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=sorted(TESTS), choices=sorted(TESTS), metavar="NAME")
+    # checked here, not with argparse's choices: with nargs="*" it checks an empty list (or a default) as one value
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"entries (default: all of {', '.join(TESTS)})")
     parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(TESTS))
+    if unknown:
+        parser.error(f"no such entry: {', '.join(unknown)} (choose from {', '.join(TESTS)})")
+    return args.names or sorted(TESTS), args.pytest.split()
+
+
+def main(argv: list[str] | None = None) -> int:
+    names, pytest_args = parse(argv)
     wheel = build_wheel()
     results, failed = [], False
-    for name in args.names:
+    for name in names:
         started = time.monotonic()
         python, before = user_environment(name)
         built = time.monotonic() - started
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             install_test_tools(python)
         work = copy_tests(name)
         smoke = None if changed else smoke_run(python, work)
-        counts = run_tests(name, python, work, args.pytest.split()) if not changed else {}
+        counts = run_tests(name, python, work, pytest_args) if not changed else {}
         ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
         failed |= not ok
         results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
