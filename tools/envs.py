@@ -177,15 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     wheel = build_wheel()
     results, failed = [], False
     for name in names:
-        started = time.monotonic()
-        python, before = user_environment(name)
-        built = time.monotonic() - started
-        changed = install_wheel(python, wheel, before)
-        if not changed:
-            install_test_tools(python)
-        work = copy_tests(name)
-        smoke = None if changed else smoke_run(python, work)
-        counts = run_tests(name, python, work, pytest_args) if not changed else {}
+        started, built = time.monotonic(), 0.0
+        try:
+            python, before = user_environment(name)
+            built = time.monotonic() - started
+            changed = install_wheel(python, wheel, before)
+            if not changed:
+                install_test_tools(python)
+            work = copy_tests(name)
+            smoke = None if changed else smoke_run(python, work)
+            counts = run_tests(name, python, work, pytest_args) if not changed else {}
+        except subprocess.CalledProcessError as exc:  # an install that failed (a download, say): the next entry runs
+            changed, counts, smoke = [], {}, f"{' '.join(map(str, exc.cmd[:6]))} ... failed ({exc.returncode})"
         ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
         failed |= not ok
         results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
