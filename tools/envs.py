@@ -92,13 +92,21 @@ def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str
 
 
 def install_test_tools(python: Path) -> None:
-    """The tests' own tools, held to the versions the venv has: they may add packages (moto's boto3) but change
-    none, so the tests run in the user's environment as it was (moto's newest boto3 would otherwise upgrade the
-    botocore that s3fs's aiobotocore pins)."""
+    """The tests' own tools, held to the versions the venv has where pip finds a way: they add packages (moto's
+    boto3) but change none (moto's newest boto3 would otherwise upgrade the botocore that s3fs's aiobotocore pins in
+    verl 0.5's entry). Where the venv's versions leave moto no solution (verl 0.6 to 0.9's entries), pip resolves it
+    freely and what the tools changed is printed: they are the tests', not the user's."""
     constraints = python.parent.parent / "test-tools-constraints.txt"
-    held = {p: v for p, v in installed(python).items() if p not in ("pip", "ray-ingest")}
-    constraints.write_text("".join(f"{p}=={v}\n" for p, v in sorted(held.items())))
-    run([python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt", "-c", constraints])
+    before = {p: v for p, v in installed(python).items() if p not in ("pip", "ray-ingest")}
+    constraints.write_text("".join(f"{p}=={v}\n" for p, v in sorted(before.items())))
+    tools = [python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt"]
+    try:
+        run([*tools, "-c", constraints])
+    except subprocess.CalledProcessError:
+        run(tools)
+        after = installed(python)
+        changed = [f"{p} {v} -> {after.get(p)}" for p, v in sorted(before.items()) if after.get(p) != v]
+        print(f"the tests' tools changed: {', '.join(changed) or 'nothing'}", flush=True)
 
 
 def copy_tests(name: str) -> Path:
