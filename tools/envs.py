@@ -8,9 +8,10 @@ For each ``requirements/envs/<name>.txt`` (a verl release with the versions its 
    in the venv, from a copy of ``tests/`` and ``tools/`` without ``ingest/`` (so the wheel is what they import), with
    the venv's own verl as the oracle (``INGEST_ORACLE_INSTALLED=1``; tools/oracle).
 
-Usage: ``python -m tools.envs [NAME ...]`` (all entries by default); ``make test-envs`` runs it. A venv is reused
-while its requirements file and the versions it had before ray-ingest are unchanged; pip's cache keeps the wheels
-between entries and runs.
+Usage: ``python -m tools.envs [NAME ...] [--keep]`` (all entries by default); ``make test-envs`` runs it. Each venv
+takes 6 to 8 GB (its own torch with CUDA libraries), so it is removed once its entry has run and pip's cache is not
+used: the run needs room for one venv at a time. With ``--keep`` venvs stay and a later run reuses one while its
+requirements file and the versions it had before ray-ingest are unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "requirements" / "envs"
 VENVS = ROOT / ".envs"
+# the largest entry's venv (8.0 GB) and room for pip to unpack a torch wheel beside it
+FREE_GB_NEEDED = 11
 # entry -> the test modules it runs: its release's parity tests (each skips what another release's oracle checks),
 # the trainer code with VerlDataLoader, and verl's launcher through python -m ingest.verl.main_ppo
 COMMON = ["tests/test_parity_tools.py", "tests/test_verl_trainer.py", "tests/test_verl_launcher.py"]
@@ -39,6 +42,15 @@ TESTS = {
     "verl-0.7": ["tests/test_parity_verl07.py"],
     "verl-0.9": ["tests/test_parity_verl09.py"],
 }
+
+
+def pip(python: Path, *args: object) -> list[object]:
+    """A pip command in ``python``'s venv; no cache: each torch wheel would otherwise stay on disk a second time."""
+    return [python, "-m", "pip", *args[:1], "--no-cache-dir", *args[1:]]
+
+
+def free_gb(path: Path) -> float:
+    return shutil.disk_usage(path).free / 2**30
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -75,8 +87,8 @@ def user_environment(name: str) -> tuple[Path, dict[str, str]]:
             return python, versions
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", venv])
-    run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
-    run([python, "-m", "pip", "install", "-q", "-r", requirements])
+    run(pip(python, "install", "-q", "--upgrade", "pip"))
+    run(pip(python, "install", "-q", "-r", requirements))
     versions = installed(python)
     stamp.write_text(json.dumps({"requirements": digest, "installed": versions}))
     return python, versions
@@ -86,7 +98,7 @@ def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str
     """Install ``wheel`` as a user would (plain pip, dependencies resolved); the packages whose version it changed."""
     report = python.parent.parent / "wheel-install.json"
     run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"])
-    run([python, "-m", "pip", "install", "-q", "--report", report, wheel])
+    run(pip(python, "install", "-q", "--report", report, wheel))
     after = installed(python)
     return [f"{p} {v} -> {after.get(p, 'removed')}" for p, v in sorted(before.items()) if after.get(p) != v]
 
@@ -99,7 +111,7 @@ def install_test_tools(python: Path) -> None:
     constraints = python.parent.parent / "test-tools-constraints.txt"
     before = {p: v for p, v in installed(python).items() if p not in ("pip", "ray-ingest")}
     constraints.write_text("".join(f"{p}=={v}\n" for p, v in sorted(before.items())))
-    tools = [python, "-m", "pip", "install", "-q", "-r", ENTRIES / "tests.txt"]
+    tools = pip(python, "install", "-q", "-r", ENTRIES / "tests.txt")
     try:
         run([*tools, "-c", constraints])
     except subprocess.CalledProcessError:
@@ -167,25 +179,30 @@ def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dic
     return counts
 
 
-def parse(argv: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """The entries to run (all by default) and the extra pytest arguments."""
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The entries to run (``names``: all by default), the extra pytest arguments and whether venvs are kept."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # checked here, not with argparse's choices: with nargs="*" it checks an empty list (or a default) as one value
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"entries (default: all of {', '.join(TESTS)})")
     parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
+    parser.add_argument("--keep", action="store_true", help="keep each venv for the next run (6 to 8 GB each)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(TESTS))
     if unknown:
         parser.error(f"no such entry: {', '.join(unknown)} (choose from {', '.join(TESTS)})")
-    return args.names or sorted(TESTS), args.pytest.split()
+    args.names, args.pytest = args.names or sorted(TESTS), args.pytest.split()
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    names, pytest_args = parse(argv)
+    args = parse(argv)
     wheel = build_wheel()
     results, failed = [], False
-    for name in names:
+    for name in args.names:
         started, built = time.monotonic(), 0.0
+        free = free_gb(VENVS)
+        if free < FREE_GB_NEEDED and not (VENVS / name / "user-environment.json").is_file():
+            print(f"{name}: {free:.1f} GB free under {VENVS}, an entry needs about {FREE_GB_NEEDED} GB", flush=True)
         try:
             python, before = user_environment(name)
             built = time.monotonic() - started
@@ -194,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                 install_test_tools(python)
             work = copy_tests(name)
             smoke = None if changed else smoke_run(python, work)
-            counts = run_tests(name, python, work, pytest_args) if not changed else {}
+            counts = run_tests(name, python, work, args.pytest) if not changed else {}
         except subprocess.CalledProcessError as exc:  # an install that failed (a download, say): the next entry runs
             changed, counts, smoke = [], {}, f"{' '.join(map(str, exc.cmd[:6]))} ... failed ({exc.returncode})"
+            smoke += f" with {free_gb(VENVS):.1f} GB free"
+        if not args.keep:
+            shutil.rmtree(VENVS / name, ignore_errors=True)
         ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
         failed |= not ok
         results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
