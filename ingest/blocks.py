@@ -19,6 +19,9 @@ from ingest.memory import ReusedBuffers
 FILE_COLUMN = "_ingest_file"  # index into the run's file list
 ROW_COLUMN = "_ingest_row"  # 0-based row in that file
 PROVENANCE_COLUMNS = (FILE_COLUMN, ROW_COLUMN)
+# media_handoff: the key of the row's media in the read's MediaStore (null: a text row); the loader tells the store
+# which rows it has taken and handed out (ingest/rollout_media.py)
+MEDIA_KEY_COLUMN = "_ingest_media_key"
 
 # --- text rows: each prompt's ids once, unpadded, plus two per-row numbers; ``VerlCollate`` pads per batch ---------
 # (keeps the padding, three int64 (max_prompt_length,) arrays per row, out of the object store and the batching)

@@ -199,6 +199,9 @@ class DataConfig:
     # videos, the prompt ids, the training inputs: ingest/rollout_media.py) and the rows carry ingest-media:// URIs
     # in their place; verl's agent loop takes them through ingest.verl.agent_loop (ingest.verl.main_ppo sets it up)
     media_handoff: bool = False
+    # prompts whose media the pipeline may make ahead of what the loader has taken (media_handoff): the rows carry only
+    # URIs, so Ray Data's backpressure, which counts block bytes, would not hold the media back. None: one batch
+    media_handoff_ahead: int | None = None
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system costs less CPU for read + tokenize + decode
     # on a 2-core VM, where mimalloc's fresh huge pages cost more than it saves (docs/design.md)
@@ -253,6 +256,8 @@ class DataConfig:
                 f"row_format {self.row_format} rows carry images and video sources, not model inputs: there is no "
                 "vision stage to decode on a device (vision_decode_jpeg_on_device / vision_decode_video_on_device)"
             )
+        if self.media_handoff_ahead is not None and self.media_handoff_ahead < 1:
+            raise ValueError(f"media_handoff_ahead must be >= 1 prompt, got {self.media_handoff_ahead}")
         if self.media_handoff and not self.raw_prompt_rows:
             raise ValueError(
                 f"data.media_handoff: the rollout's media are handed off to verl 0.7 and 0.9's agent loop "
@@ -323,7 +328,7 @@ class StageContext:
     ledger: Any = None
     keep_provenance: bool = False
     files_without_image_feature: frozenset[int] = frozenset()
-    media_store: str | None = None  # the run's MediaStore actor (media_handoff: ingest/rollout_media.py)
+    media_store: str | None = None  # the read's MediaStore actor (media_handoff: ingest/rollout_media.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 
-from ingest.blocks import FILE_COLUMN, ROW_COLUMN
+from ingest.blocks import FILE_COLUMN, MEDIA_KEY_COLUMN, ROW_COLUMN
 from ingest.config import DataConfig
 from ingest.datasets.plan import FilesArg, InputPlan, plan_input
 from ingest.datasets.rl import build_dataset
@@ -130,12 +130,15 @@ class ResumableBatches:
 
     def _read(self, plan: InputPlan, units: Sequence[ReadUnit]) -> Iterator[pa.Table]:
         """The blocks of ``units`` (in their order) made by the actors, with their provenance columns."""
-        if self.config.media_handoff and self._held_media is None:
+        media_store = None
+        if self.config.media_handoff:
             from ingest.datasets.pools import ensure_ray
             from ingest.rollout_media import HeldMedia
 
             ensure_ray()
-            self._held_media = HeldMedia()
+            if self._held_media is None:
+                self._held_media = HeldMedia(self.config.media_handoff_ahead or self.batch_size)
+            media_store = self._held_media.begin(plan.context().files)
         ds = build_dataset(
             plan.files,
             self.tokenizer,
@@ -145,9 +148,25 @@ class ResumableBatches:
             plan=InputPlan(plan.files, plan.infos, list(units)),
             ledger=self.ledger,
             keep_provenance=True,
-            media_store=None if self._held_media is None else self._held_media.name,
+            media_store=media_store,
         )
-        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+        blocks = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+        if media_store is None:
+            yield from blocks
+            return
+        while True:
+            with self._held_media.waiting_for_block():
+                block = next(blocks, None)
+            if block is None:
+                return
+            self._held_media.delivered(block.column(MEDIA_KEY_COLUMN).to_pylist())
+            yield block
+
+    @property
+    def held_media(self):
+        """With ``media_handoff``: the ``HeldMedia`` of the rollout's media this loader made (None before its first
+        read)."""
+        return self._held_media
 
     def _batches(self, blocks: Iterator[pa.Table], plan: InputPlan) -> Iterator[dict]:
         """The collated batches of ``blocks`` (the rest of the position's units, in order), moving the position."""
@@ -155,7 +174,7 @@ class ResumableBatches:
         for table, units in rebatch(blocks, unit_of, skips, self.batch_size, self.drop_last):
             # state first: a generator resumes after ``yield`` only when the next batch is asked for
             self._position.advance(units)
-            batch = self.collate_fn(table.drop_columns([FILE_COLUMN, ROW_COLUMN]))
-            if self._held_media is not None:
-                self._held_media.handed_out(batch["raw_prompt"])
-            yield batch
+            if MEDIA_KEY_COLUMN in table.column_names:
+                self._held_media.handed_out(table.column(MEDIA_KEY_COLUMN).to_pylist())
+            internal = [c for c in (FILE_COLUMN, ROW_COLUMN, MEDIA_KEY_COLUMN) if c in table.column_names]
+            yield self.collate_fn(table.drop_columns(internal))

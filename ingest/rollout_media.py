@@ -16,7 +16,9 @@ functions), and stock qwen-vl-utils fails on one loudly (no such file), never wi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 URI_PREFIX = "ingest-media://"
@@ -179,34 +181,91 @@ class PromptMediaMaker:
 
 
 class MediaStore:
-    """Holds the prompts' payloads in the object store until the loader releases them: the run's store, one named
-    actor (``NAMESPACE``) on the loader's node. It puts each payload itself (``adopt_many``), so that it owns it: an
-    object lives as long as its owner, and the vision actor that made it goes when its pool does (at each epoch's end,
-    say), while the store lives as long as the loader. Each entry keeps the file and row its prompt came from, for
-    errors."""
+    """Holds one read's payloads in the object store until its loader releases them: an async actor, named
+    (``NAMESPACE``), on the loader's node. It puts each payload itself (``adopt_many``), so that it owns it: an object
+    lives as long as its owner, and the vision actor that made it goes when its pool does, while the store lives as
+    long as the loader needs it. Each entry keeps the file and row its prompt came from, for errors.
 
-    def __init__(self):
-        self._entries: dict[str, tuple[Any, str | None, int | None]] = {}
+    The rows carry only URIs, so Ray Data's backpressure (block bytes) never holds the media back: the store does.
+    Prompts made but not yet taken by the loader (``delivered``) are at most ``ahead`` (or one block); beyond that
+    ``adopt_many`` waits, which holds the vision actor that calls it. It stops waiting when the loader has waited
+    ``LOADER_WAIT_S`` for a block (``loader_waiting``): the block the loader needs may sit behind the held one (Ray
+    Data merges an actor task's outputs, and keeps the blocks in order)."""
 
-    def adopt_many(self, entries: list[tuple[str, list, str | None, int | None]]) -> None:
-        """``(key, [ref], file, row)`` per prompt (the ref in a list, so Ray hands it over unresolved): the payload
-        put again, owned here."""
+    def __init__(self, files: Sequence[str], ahead: int):
+        self._files = list(files)
+        self._ahead_limit = ahead
+        self._entries: dict[str, tuple[Any, int, int]] = {}  # key -> (payload ref, file index, row)
+        self._ahead: set[str] = set()  # made, not yet taken by the loader
+        self._blocks_taken = 0
+        self._loader_waits_after = -1  # the loader waits for the block after this many (-1: not waiting)
+        self._peaks = {"held": 0, "ahead": 0}
+        self._changed = None  # an asyncio.Condition, made in the actor's event loop
+
+    def _may_adopt(self, prompts: int) -> bool:
+        return (
+            not self._ahead
+            or len(self._ahead) + prompts <= self._ahead_limit
+            or self._loader_waits_after == self._blocks_taken
+        )
+
+    async def _notify(self) -> None:
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def adopt_many(self, entries: list[tuple[str, list, int, int]]) -> None:
+        """``(key, [ref], file index, row)`` per prompt of one block (the ref in a list, so Ray hands it over
+        unresolved): once the window has room, each payload put again, owned here."""
+        import asyncio
+
         import ray
 
-        for key, refs, file, row in entries:
-            self._entries[key] = (ray.put(ray.get(refs[0])), file, row)
+        if not entries:
+            return
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._may_adopt(len(entries)))
+            self._ahead.update(key for key, _, _, _ in entries)
+        payloads = await asyncio.gather(*(refs[0] for _, refs, _, _ in entries))
+        for (key, _, file, row), payload in zip(entries, payloads, strict=True):
+            self._entries[key] = (ray.put(payload), file, row)
+        self._peaks = {
+            "held": max(self._peaks["held"], len(self._entries)),
+            "ahead": max(self._peaks["ahead"], len(self._ahead)),
+        }
 
-    def lookup(self, key: str) -> tuple[list, str, int] | None:
+    async def loader_waiting(self, blocks_taken: int) -> None:
+        """The loader, having taken ``blocks_taken`` blocks, has waited ``LOADER_WAIT_S`` for the next one."""
+        self._loader_waits_after = blocks_taken
+        await self._notify()
+
+    async def delivered(self, keys: list[str]) -> None:
+        """The loader took a block with these prompts' rows: they no longer count as made ahead."""
+        self._ahead.difference_update(keys)
+        self._blocks_taken += 1
+        await self._notify()
+
+    async def lookup(self, key: str) -> tuple[list, str, int] | None:
         """``([ref], file, row)``: the ref in a list, so Ray hands it over unresolved."""
         entry = self._entries.get(key)
-        return None if entry is None else ([entry[0]], entry[1], entry[2])
+        return None if entry is None else ([entry[0]], self._files[entry[1]], entry[2])
 
-    def release(self, keys: list[str]) -> None:
+    async def release(self, keys: list[str]) -> None:
         for key in keys:
             self._entries.pop(key, None)
+        self._ahead.difference_update(keys)
+        await self._notify()
 
-    def size(self) -> int:
-        return len(self._entries)
+    async def stats(self) -> dict[str, int]:
+        """Prompts held now and made ahead of the loader now, and the peaks of both."""
+        return {
+            "held": len(self._entries),
+            "ahead": len(self._ahead),
+            "peak_held": self._peaks["held"],
+            "peak_ahead": self._peaks["ahead"],
+        }
 
 
 # --- the loader side ------------------------------------------------------------------------------------------------
@@ -216,36 +275,122 @@ class MediaStore:
 HELD_BATCHES = 2
 
 
-class HeldMedia:
-    """A loader's ``MediaStore`` (started on this node, named, gone with this object's process) and the media keys of
-    the batches it handed out, each batch's released once ``HELD_BATCHES`` later ones were handed out: the store, so
-    the object store, holds the rollout's media of those batches plus what the pipeline made ahead of them."""
+# how long the loader waits for a block before the store lets the media made ahead exceed its window
+LOADER_WAIT_S = 0.2
 
-    def __init__(self):
+
+class HeldMedia:
+    """A loader's media stores and the media keys of the batches it handed out, each batch's released once
+    ``HELD_BATCHES`` later ones were handed out. Each read (an epoch, a resumed epoch) gets a ``MediaStore`` of its
+    own, started on this node and gone with this object's process; a read's store goes once the batches it holds
+    are released and a later read has begun. The stores, so the object store, hold the rollout's media of those
+    batches, the rows the loader has taken but not yet handed out, and at most ``ahead`` prompts more."""
+
+    def __init__(self, ahead: int):
+        self.ahead = ahead
+        self.name: str | None = None  # the current read's store
+        self.store = None
+        self._batches: list[tuple[Any, list[str]]] = []  # (store, keys) per batch handed out, oldest first
+        self._taken: dict[str, None] = {}  # keys the loader took, not yet handed out, in order
+        self._calls: list = []  # replies of the stores' calls not yet known done (an async actor's run in any order)
+
+    def begin(self, files: Sequence[str]) -> str:
+        """A new read of ``files``: its store's name. The rows of the previous read that were taken but never handed
+        out (a read stopped part way) are released with its store."""
         import uuid
 
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        previous = self.store
         self.name = f"ingest-media-{uuid.uuid4().hex[:16]}"
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         store = ray.remote(MediaStore).options(
             name=self.name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here
         )
-        self.store = store.remote()
-        self._batches: list[list[str]] = []
+        self.store = store.remote(list(files), self.ahead)
+        self._blocks_taken = 0
+        if previous is not None and self._taken:
+            self._call(previous.release, list(self._taken))
+        self._taken = {}
+        self._drop_unheld(previous)
+        return self.name
 
-    def handed_out(self, raw_prompt: Iterable[list[dict]]) -> None:
-        """A batch is handed out (its ``raw_prompt`` messages): hold its media, release those of the batch
-        ``HELD_BATCHES`` before it."""
-        keys = {
-            parsed[1]
-            for messages in raw_prompt
-            for item in media_items(messages)
-            if (parsed := parse_media_uri(item.get(item["type"]))) is not None
-        }
-        self._batches.append(sorted(keys))
+    @contextlib.contextmanager
+    def waiting_for_block(self) -> Iterator[None]:
+        """Around the loader's wait for its next block: past ``LOADER_WAIT_S`` the store is told."""
+        timer = threading.Timer(LOADER_WAIT_S, self.store.loader_waiting.remote, (self._blocks_taken,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def delivered(self, keys: Iterable[str]) -> None:
+        """The loader took a block with these prompts' rows (in order; None: a text row)."""
+        keys = [key for key in keys if key is not None]
+        self._taken.update(dict.fromkeys(keys))
+        self._blocks_taken += 1
+        self._call(self.store.delivered, keys)
+
+    def handed_out(self, keys: Iterable[str]) -> None:
+        """A batch with these prompts' rows is handed out: hold its media, release those of the batch
+        ``HELD_BATCHES`` before it, and those of rows taken before its last one that no batch will hand out (rows
+        a resumed read drops: their batch was handed out before the state was saved)."""
+        keys = [key for key in keys if key is not None]
+        batch = set(keys)
+        skipped = []
+        while keys and self._taken:
+            key = next(iter(self._taken))
+            del self._taken[key]
+            if key == keys[-1]:
+                break
+            if key not in batch:
+                skipped.append(key)
+        if skipped:
+            self._call(self.store.release, skipped)
+        self._batches.append((self.store, keys))
         while len(self._batches) > HELD_BATCHES:
-            released = self._batches.pop(0)
+            store, released = self._batches.pop(0)
             if released:
-                self.store.release.remote(released)
+                self._call(store.release, released)
+            self._drop_unheld(store)
+
+    def _call(self, method, keys: list[str]) -> None:
+        import ray
+
+        self._calls.append(method.remote(keys))
+        if len(self._calls) > 64:
+            self._calls = ray.wait(self._calls, num_returns=len(self._calls), timeout=0)[1]
+
+    def _drop_unheld(self, store) -> None:
+        """Ends ``store`` once it is not the current read's and holds no handed-out batch."""
+        if store is None or store is self.store or any(held is store for held, _ in self._batches):
+            return
+        import ray
+
+        self._settled()
+        ray.kill(store)
+
+    def _settled(self) -> None:
+        """Waits for the calls made so far (the stores run them in any order)."""
+        import ray
+
+        calls, self._calls = self._calls, []
+        if calls:
+            ray.wait(calls, num_returns=len(calls))
+
+    def stats(self) -> dict[str, int]:
+        """The current read's ``MediaStore.stats`` once the calls made so far are done."""
+        import ray
+
+        self._settled()
+        return ray.get(self.store.stats.remote())
+
+    def lookup(self, key: str) -> tuple[list, str, int] | None:
+        """The current read's ``MediaStore.lookup`` once the calls made so far are done."""
+        import ray
+
+        self._settled()
+        return ray.get(self.store.lookup.remote(key))

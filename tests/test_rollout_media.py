@@ -65,21 +65,77 @@ def test_media_handoff_is_for_the_agent_loops_rows():
     assert DataConfig(media_handoff=True, row_format="verl-0.7").media_handoff
 
 
+def _adopt(store, keys: list[str], first_row: int = 0):
+    """A block with one prompt per key: the store's reply (ready once adopted)."""
+    import ray
+
+    return store.adopt_many.remote([(k, [ray.put({"key": k})], 0, first_row + i) for i, k in enumerate(keys)])
+
+
 def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_session):
     import ray
 
-    held = HeldMedia()
+    held = HeldMedia(ahead=100)
+    held.begin(["f.parquet"])
     batches = []
     for step in range(HELD_BATCHES + 2):
         key = f"k{step}"
-        ray.get(held.store.adopt_many.remote([(key, [ray.put({"images": [step], "videos": None})], "f.parquet", step)]))
-        item = {"type": "image", "image": media_uri(held.name, key, "image", 0)}
-        held.handed_out([[{"role": "user", "content": [item]}]])
+        ray.get(_adopt(held.store, [key], 10 * step))
+        held.delivered([key, None])  # None: a text row
+        held.handed_out([None, key])
         batches.append(key)
-        assert ray.get(held.store.size.remote()) == min(step + 1, HELD_BATCHES)
-    assert fetch_payload(held.name, batches[-1])["images"] == [HELD_BATCHES + 1]
+        assert held.stats()["held"] == min(step + 1, HELD_BATCHES)
+    assert fetch_payload(held.name, batches[-1]) == {"key": batches[-1]}
+    (_, file, row) = held.lookup(batches[-1])
+    assert (file, row) == ("f.parquet", 10 * (HELD_BATCHES + 1))
     with pytest.raises(LookupError, match="no such prompt media"):
         fetch_payload(held.name, batches[0])
+
+
+def test_the_store_holds_the_media_made_ahead_of_the_loader_to_its_window(ray_session):
+    """Made ahead of the loader: at most ``ahead`` prompts; a block beyond waits (so does the vision actor that made
+    it) until the loader takes rows, or until the loader has waited for a block (the one it needs may be behind)."""
+    import ray
+
+    held = HeldMedia(ahead=4)
+    held.begin(["f.parquet"])
+    ray.get([_adopt(held.store, ["a0", "a1"]), _adopt(held.store, ["b0", "b1"])])
+    later = _adopt(held.store, ["c0", "c1"])
+    assert not ray.wait([later], timeout=1.0)[0]
+    held.delivered(["a0"])
+    assert not ray.wait([later], timeout=0.5)[0]  # 3 ahead + 2: not yet
+    held.delivered(["a1", None])
+    ray.get(later, timeout=10)
+    assert held.stats()["ahead"] == 4
+    stuck = _adopt(held.store, ["e0", "e1"])
+    assert not ray.wait([stuck], timeout=0.5)[0]
+    with held.waiting_for_block():  # the loader waits for a block for longer than LOADER_WAIT_S
+        ray.get(stuck, timeout=10)
+    held.delivered(["b0", "b1"])  # it came: the window holds again
+    assert held.stats()["ahead"] == 4
+    assert not ray.wait([_adopt(held.store, ["f0"])], timeout=0.5)[0]
+    assert held.stats()["peak_ahead"] == 6
+
+
+def test_rows_a_resumed_read_drops_and_a_stopped_reads_rows_are_released(ray_session):
+    import ray
+
+    held = HeldMedia(ahead=100)
+    held.begin(["f.parquet"])
+    ray.get(_adopt(held.store, ["s0", "s1", "k0", "k1"]))
+    held.delivered(["s0", "s1", "k0", "k1"])
+    held.handed_out(["k0"])  # s0, s1 were handed out before the state was saved: dropped by the resumed read
+    assert held.lookup("s0") is None and held.lookup("s1") is None and held.lookup("k1") is not None
+    first = held.store
+    held.begin(["f.parquet"])  # a new read: k1 was taken, never handed out
+    assert ray.get(first.lookup.remote("k1")) is None and ray.get(first.lookup.remote("k0")) is not None
+    for step in range(HELD_BATCHES):
+        ray.get(_adopt(held.store, [f"n{step}"]))
+        held.delivered([f"n{step}"])
+        held.handed_out([f"n{step}"])
+    # the first read's batch is released: its store is gone
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(first.lookup.remote("k0"), timeout=30)
 
 
 @slow
@@ -198,3 +254,41 @@ def test_with_media_handoff_the_decode_stage_leaves_counting_rows_out_to_the_rol
     assert {PROMPT_TOKENS_COLUMN, FILE_COLUMN} <= set(handing_off.table.column_names)
     plain = DecodeStage(DataConfig(row_format="verl-0.9"))(table)
     assert plain.counts.rows_out == table.num_rows > 0 and PROMPT_TOKENS_COLUMN not in plain.table.column_names
+
+
+BOUND_PROMPTS = 20_000
+
+
+@slow
+def test_the_store_stays_within_the_window_over_a_long_run_with_stalls(model_dir, tmp_path):
+    """20,000 prompts (small images: the store's count, not the pixels, is under test) in batches of 128, each
+    prompt resolved ``rollout.n = 8`` times by a stand-in rollout worker; three times the loader stops taking
+    batches until the pipeline has settled. Made ahead of the loader: the window, or while the loader waits for a
+    block, what the vision actors finish meanwhile (a task's blocks, two here). The store never holds more than that
+    plus the two handed-out batches and the rows the loader took; without the window the pipeline would make the
+    whole epoch's media ahead of a stalled trainer."""
+    if not oracle_available("verl-0.9"):
+        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+    from tools.samples import write_geo3k_parquet
+
+    batch, unit, pool = 128, 128, 2
+    files = write_geo3k_parquet(
+        tmp_path / "data", BOUND_PROMPTS, num_files=2, row_group_size=unit, kinds=("tiny",), multi_every=0
+    )
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    data = {"row_format": "verl-0.9", "read_rows_per_task": unit, "vision_pool_max_size": pool}
+    spec = {"model": model, "batch_size": batch, "n": 8, "data": data, "check": "bound", "stall_at": [2, 70, 150]}
+    result = run_verl("agent_loop", [str(f) for f in files], model, None, row_format="verl-0.9", timeout=1200, **spec)
+    assert result["rows"] == BOUND_PROMPTS and result["samples"] == 8 * BOUND_PROMPTS
+    window = batch  # media_handoff_ahead's default: one batch
+    ahead = window + 2 * pool * unit
+    bound = (HELD_BATCHES + 2) * batch + ahead  # 1,152 prompts of 20,000
+    assert len(result["stalls"]) == 3
+    for stall in result["stalls"]:
+        # the pipeline ran ahead while the loader stalled, and stopped at the window
+        assert window // 2 <= stall["ahead"] <= window + pool * unit, stall
+        assert stall["held"] <= bound, (stall, bound)
+    end = result["end"]
+    assert end["peak_held"] <= bound and end["peak_ahead"] <= ahead, end
+    assert end["held"] == batch + (BOUND_PROMPTS % batch or batch)  # the last two batches
+    assert result["rollout_cpu_s"] / result["samples"] < 0.001  # a sample's media: under 1 ms of the rollout's CPU

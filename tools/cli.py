@@ -38,6 +38,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = bench_profile(rows=(args.rows or [200_000])[0], work_dir=args.work_dir)
         print(json.dumps(result, indent=2))
         return 0
+    if args.kind == "handoff":  # verl 0.9.1's agent loop, stock vs media_handoff (--rows: prompts, default 2000)
+        from tools.handoff_bench import bench_handoff
+
+        result = bench_handoff(rows=(args.rows or [2000])[0], runs=args.runs, work_dir=args.work_dir)
+        print(json.dumps(result, indent=2))
+        return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9 (or --row-format verl-0.7: 0.7.1), cold
         from tools.verl09_bench import bench_verl09  # --rows: text rows, image rows
 
@@ -84,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ingest", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmark against verl 0.5.0 on the same data")
-    bench.add_argument("kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09", "scaling", "profile"])
+    bench.add_argument(
+        "kind", choices=["text", "mm", "refs", "sft", "scale", "vision", "verl09", "handoff", "scaling", "profile"]
+    )
     bench.add_argument("--rows", type=int, nargs="+", help="dataset sizes (text: 20000 200000, mm: 1000)")
     bench.add_argument("--work-dir", default=None)
     bench.add_argument("--actors", type=int, nargs="+", help="scaling only: tokenizer actor counts (1 2 4 8 16)")
@@ -92,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--consumers", type=int, default=4, help="scaling only: stand-in workers taking streaming_split shards"
     )
     bench.add_argument("--skip-verl", action="store_true")
+    bench.add_argument("--runs", type=int, default=1, help="handoff only: runs of both sides, one after another")
     bench.add_argument(
         "--row-format",
         default="verl-0.9",

@@ -2,10 +2,11 @@
 
 verl's agent loop makes a prompt's media again for every sample (``ingest/rollout_media.py`` says what and where).
 Here the vision actors make them once per prompt with verl's own functions (``PromptMediaMaker``) and hand each
-prompt's payload to the run's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a fresh
-key, with the prompt's file and row; the row's media items become that payload's URIs and its decoded images leave
-the block. A prompt verl cannot make (its processor or qwen-vl-utils raises) is a
-bad row, quarantined or raised with file, row and reason, as in the other stages.
+prompt's payload to the read's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a fresh
+key, with the prompt's file and row; the row's media items become that payload's URIs, the key goes in a column of
+its own (the loader tells the store which rows it took) and the decoded images leave the block. The store may make
+this actor wait (it bounds the media made ahead of the loader). A prompt verl cannot make (its processor or
+qwen-vl-utils raises) is a bad row, quarantined or raised with file, row and reason, as in the other stages.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ import uuid
 
 import pyarrow as pa
 
-from ingest.accounting import BatchCounts, StageResult, processed_row, row_location
-from ingest.blocks import MULTI_MODAL_DATA, PROMPT_TOKENS_COLUMN, STRUCT_IMAGE_BYTES_COLUMN, drop_internal_columns
+from ingest.accounting import BatchCounts, StageResult, processed_row
+from ingest.blocks import (
+    FILE_COLUMN,
+    MEDIA_KEY_COLUMN,
+    MULTI_MODAL_DATA,
+    PROMPT_TOKENS_COLUMN,
+    ROW_COLUMN,
+    STRUCT_IMAGE_BYTES_COLUMN,
+    drop_internal_columns,
+)
 from ingest.config import DataConfig, StageContext
 from ingest.rowformat.collate import filled_raw_prompt
 from ingest.stages.bad_rows import BadRows
@@ -27,7 +36,6 @@ def verl_data_section(config: DataConfig) -> dict:
     return {
         "apply_chat_template_kwargs": dict(config.apply_chat_template_kwargs),
         "mm_processor_kwargs": dict(config.mm_processor_kwargs),
-        "image_patch_size": config.image_patch_size,
     }
 
 
@@ -62,7 +70,9 @@ class RolloutMediaStage:
 
         bad = BadRows(self.files, table, "raw_prompt")
         rows = filled_raw_prompt(table)
-        held: list[tuple[str, list, str | None, int | None]] = []
+        held: list[tuple[str, list, int, int]] = []
+        keys: list[str | None] = [None] * len(rows)
+        files, file_rows = table.column(FILE_COLUMN).to_pylist(), table.column(ROW_COLUMN).to_pylist()
         for i, messages in enumerate(rows):
             try:
                 payload = self.maker.make(messages)
@@ -71,10 +81,9 @@ class RolloutMediaStage:
                 continue
             if payload["images"] is None and payload["videos"] is None:
                 continue  # a text prompt: nothing to hand off
-            key = uuid.uuid4().hex
-            file, row = row_location(self.files, table, i)
-            held.append((key, [ray.put(payload)], file, row))
-            handle_items(messages, self.store_name, key)
+            keys[i] = uuid.uuid4().hex
+            held.append((keys[i], [ray.put(payload)], files[i], file_rows[i]))
+            handle_items(messages, self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows
             ray.get(self.store.adopt_many.remote(held))
@@ -87,6 +96,7 @@ class RolloutMediaStage:
         out = table.drop_columns([c for c in media_columns if c in table.column_names])
         messages = pa.array([json.dumps(rows[i], ensure_ascii=False) for i in range(len(rows))], pa.string())
         out = out.set_column(out.column_names.index("raw_prompt"), "raw_prompt", messages)
+        out = out.append_column(MEDIA_KEY_COLUMN, pa.array(keys, pa.string()))
         if len(kept) < table.num_rows:
             out = out.take(kept)
         return StageResult(drop_internal_columns(out, self.keep_provenance), counts, quarantine)

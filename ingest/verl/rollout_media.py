@@ -61,6 +61,7 @@ class HandedOffMedia(list):
 
 
 _CACHE = _ProcessCache(PROCESS_CACHE_PROMPTS)
+_STORES: dict[str, Any] = {}  # store name -> its actor handle (a read's store serves all its prompts)
 
 
 def fetch_payload(store: str, key: str) -> dict:
@@ -69,16 +70,18 @@ def fetch_payload(store: str, key: str) -> dict:
     if payload is not None:
         return payload
     import ray
-    from ray.exceptions import ObjectLostError, OwnerDiedError
+    from ray.exceptions import ObjectLostError, OwnerDiedError, RayActorError
 
+    gone = LookupError(
+        f"{URI_PREFIX}{store}/{key}: its media store is gone (the loader that made these rows ended, or its node "
+        "was lost): the rows must be read again"
+    )
     try:
-        actor = ray.get_actor(store, namespace=NAMESPACE)
-    except ValueError as exc:
-        raise LookupError(
-            f"{URI_PREFIX}{store}/{key}: its media store is gone (the loader that made these rows ended, or its node "
-            "was lost): the rows must be read again"
-        ) from exc
-    found = ray.get(actor.lookup.remote(key))
+        actor = _STORES.get(store) or _STORES.setdefault(store, ray.get_actor(store, namespace=NAMESPACE))
+        found = ray.get(actor.lookup.remote(key))
+    except (ValueError, RayActorError) as exc:
+        _STORES.pop(store, None)
+        raise gone from exc
     if found is None:
         raise LookupError(
             f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or from "

@@ -197,9 +197,7 @@ def _batch_keys(batch: dict) -> list[str]:
 
 def _held(loader, key: str):
     """What the loader's store holds under ``key`` (``([ref], file, row)``), None where it holds nothing."""
-    import ray
-
-    return ray.get(loader._held_media.store.lookup.remote(key))
+    return loader.held_media.lookup(key)
 
 
 def lifetime(spec: dict) -> dict:
@@ -221,11 +219,11 @@ def lifetime(spec: dict) -> dict:
     first = next(batches)
     state = loader.state_dict()
     second = next(batches)
-    sizes = [ray.get(loader._held_media.store.size.remote())]
+    sizes = [loader.held_media.stats()["held"]]
     keys = [_batch_keys(first), _batch_keys(second)]
     for batch in batches:
         keys.append(_batch_keys(batch))
-        sizes.append(ray.get(loader._held_media.store.size.remote()))
+        sizes.append(loader.held_media.stats()["held"])
     released = [_held(loader, key) is None for key in keys[0]]
     last_held = [_held(loader, key) is not None for batch in keys[-HELD_BATCHES:] for key in batch]
 
@@ -267,9 +265,9 @@ def lifetime(spec: dict) -> dict:
         unfinished.close()
     # a store that is gone (its loader ended): fetching from it says so (another prompt than the one fetched before:
     # a worker process keeps what it fetched)
-    name, keys_again = resumed._held_media.name, _batch_keys(again)
+    name, keys_again = resumed.held_media.name, _batch_keys(again)
     before = ray.get(fetch.remote(name, keys_again[0]))
-    ray.kill(resumed._held_media.store)
+    ray.kill(resumed.held_media.store)
     gone = ray.get(fetch.remote(name, keys_again[1]))
     ray.shutdown()
     return {
@@ -282,7 +280,258 @@ def lifetime(spec: dict) -> dict:
     }
 
 
+class RolloutStandIn:
+    """A rollout worker's side of the hand-off, standing in for the agent loop: each prompt of a batch resolved for
+    each of its ``n`` samples (``prompt_media`` then ``sample_media``, as ``IngestDataset`` and the loops do), in a
+    process of its own; the CPU seconds it took."""
+
+    def resolve(self, raw_prompt: list, n: int) -> dict:
+        from ingest.verl.rollout_media import prompt_media, sample_media
+
+        started, samples = time.process_time(), 0
+        for messages in raw_prompt:
+            for _ in range(n):
+                payload = prompt_media(messages)
+                images, _, _ = sample_media(payload)
+                assert images is not None
+                samples += 1
+        return {"samples": samples, "cpu_s": time.process_time() - started}
+
+
+def _stalled(loader, seconds: float = 3.0) -> dict:
+    """The store's figures once the pipeline has had ``seconds`` with no change while the loader takes nothing:
+    what it makes ahead of a trainer that stopped."""
+    last = None
+    while True:
+        time.sleep(seconds)
+        now = loader.held_media.stats()
+        if now == last:
+            return now
+        last = now
+
+
+def bound(spec: dict) -> dict:
+    """One epoch over ``spec["files"]`` in batches of ``spec["batch_size"]``, each batch's prompts resolved
+    ``spec["n"]`` times in a stand-in rollout worker, the loader stalling at ``spec["stall_at"]`` batches: the
+    store's figures at each stall and at the end, and the rollout's CPU per sample."""
+    import ray
+
+    from ingest.verl import VerlDataLoader
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    config = {"shuffle": False, "media_handoff": True, **spec["data"]}
+    loader = VerlDataLoader(spec["files"], spec["model"], config, spec["batch_size"], spec["model"], drop_last=False)
+    rollout = ray.remote(RolloutStandIn).options(num_cpus=0).remote()
+    stalls, rows, samples, cpu_s = [], 0, 0, 0.0
+    for step, batch in enumerate(loader):
+        if step in spec["stall_at"]:
+            stalls.append({"step": step, **_stalled(loader)})
+        done = ray.get(rollout.resolve.remote(list(batch["raw_prompt"]), spec["n"]))
+        rows, samples, cpu_s = rows + len(batch["raw_prompt"]), samples + done["samples"], cpu_s + done["cpu_s"]
+    end = loader.held_media.stats()
+    ray.shutdown()
+    return {"rows": rows, "samples": samples, "rollout_cpu_s": cpu_s, "stalls": stalls, "end": end}
+
+
+class CpuMeter:
+    """CPU seconds spent in the functions it wraps (each thread's own time; a wrapped call inside another counts
+    once)."""
+
+    def __init__(self):
+        import threading
+
+        self.seconds, self.calls, self._depth = 0.0, 0, threading.local()
+
+    def wrap(self, function):
+        import functools
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            self._depth.n = depth + 1
+            started = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+                if depth == 0:
+                    self.seconds += time.thread_time() - started
+                    self.calls += 1
+
+        return timed
+
+
+def _meter_media_work(meter: CpuMeter, handoff: bool) -> None:
+    """Wraps what the agent loop does with a prompt's media, stock (verl's qwen-vl-utils step, its continuous-token
+    builder, the worker's training inputs) and handed off (the payload's resolution and the same two seams)."""
+    import verl.experimental.agent_loop.agent_loop as agent_loop
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    RLHFDataset._process_multi_modal_info = classmethod(meter.wrap(RLHFDataset._process_multi_modal_info.__func__))
+    create = agent_loop.create_continuous_token_builder
+
+    def metered_builder(*args, **kwargs):
+        builder = create(*args, **kwargs)
+        builder.build_initial_tokens = meter.wrap(builder.build_initial_tokens)
+        return builder
+
+    agent_loop.create_continuous_token_builder = metered_builder
+    agent_loop.AgentLoopWorker._compute_multi_modal_inputs = meter.wrap(
+        agent_loop.AgentLoopWorker._compute_multi_modal_inputs
+    )
+    if handoff:
+        import ingest.verl.agent_loop as ours
+        import ingest.verl.rollout_media as rollout_media
+
+        rollout_media.prompt_media = meter.wrap(rollout_media.prompt_media)
+        rollout_media.sample_media = meter.wrap(rollout_media.sample_media)
+        ours._HandedOffPromptTokens.build_initial_tokens = meter.wrap(ours._HandedOffPromptTokens.build_initial_tokens)
+        ours._HandedOffInputsMixin._compute_multi_modal_inputs = meter.wrap(
+            ours._HandedOffInputsMixin._compute_multi_modal_inputs
+        )
+
+
+class BenchWorker:
+    """An agent-loop worker (verl's, or ``IngestAgentLoopWorker`` with ``handoff``) with a stand-in server, its media
+    work metered: what one ``generate_sequences`` call cost this process."""
+
+    def __init__(self, config, handoff: bool):
+        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+        self.meter = CpuMeter()
+        _meter_media_work(self.meter, handoff)
+        if handoff:
+            from ingest.verl.agent_loop import IngestAgentLoopWorker as cls
+        else:
+            cls = AgentLoopWorker
+        self.worker = new_worker(cls, config, FixedTokenServer())
+        self.step_cpu_s, self.samples = 0.0, 0
+
+    async def run(self, batch) -> int:
+        started = time.process_time()
+        out = await self.worker.generate_sequences(batch)
+        self.step_cpu_s += time.process_time() - started
+        self.samples += len(out)
+        return len(out)
+
+    def stats(self) -> dict:
+        return {"samples": self.samples, "step_cpu_s": self.step_cpu_s, "media_cpu_s": self.meter.seconds}
+
+
+class ActorCpu:
+    """The CPU seconds of this session's Ray actor processes by their title, sampled (an actor pool's processes end
+    with its epoch): the last figure seen of each process, summed per name."""
+
+    NAMES = {"vision": "VisionActor", "store": "MediaStore", "decode": "DecodeActor", "tokenize": "TokenizeActor"}
+
+    def __init__(self, every_s: float = 0.25):
+        import threading
+
+        self.every_s, self.seen, self._halt = every_s, {}, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        # this process's own Ray (its raylet's workers are its descendants), never another session on the machine
+        for process in psutil.Process().children(recursive=True):
+            try:
+                title, times = " ".join(process.cmdline()), process.cpu_times()
+            except psutil.Error:
+                continue
+            for name, marker in self.NAMES.items():
+                if title.startswith("ray::") and marker in title:
+                    self.seen[process.pid] = (name, times.user + times.system)
+
+    def _run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            self._sample()
+
+    def stop(self) -> dict[str, float]:
+        self._sample()
+        self._halt.set()
+        self.thread.join()
+        totals = dict.fromkeys(self.NAMES, 0.0)
+        for name, seconds in self.seen.values():
+            totals[name] += seconds
+        return {name: round(seconds, 2) for name, seconds in totals.items()}
+
+
+def _stock_batches(spec: dict, config):
+    """verl 0.9's own loader as its trainer makes it: ``RLHFDataset`` and a ``StatefulDataLoader`` with verl's
+    ``collate_fn`` and its config's workers."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.utils import hf_processor, hf_tokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    data = config.data
+    dataset = RLHFDataset(spec["files"], hf_tokenizer(spec["model"]), data, hf_processor(spec["model"]))
+    workers = data.get("dataloader_num_workers", 8)
+    return StatefulDataLoader(dataset, batch_size=spec["batch_size"], num_workers=workers, collate_fn=collate_fn)
+
+
+def bench_side(spec: dict) -> dict:
+    """One side of ``python -m ingest bench handoff`` in a new process (the clock starts before Ray does): every
+    batch of ``spec["files"]`` repeated ``rollout.n`` times and split over ``spec["workers"]`` agent-loop workers, as
+    verl's manager does. Stock: verl's own loader and worker; hand-off: ``VerlDataLoader`` with ``media_handoff`` and
+    ``IngestAgentLoopWorker``."""
+    import resource
+
+    import ray
+
+    handoff = spec["check"] == "bench_handoff"
+    started, cpu_started = time.perf_counter(), time.process_time()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    actors = ActorCpu()
+    config = trainer_config(spec["model"], spec["n"], spec["prompt_length"], handoff)
+    config.data.max_prompt_length = spec["prompt_length"]
+    workers = [ray.remote(BenchWorker).options(num_cpus=0).remote(config, handoff) for _ in range(spec["workers"])]
+    if handoff:
+        from ingest.verl import VerlDataLoader
+
+        data = {
+            "row_format": "verl-0.9",
+            "shuffle": False,
+            "media_handoff": True,
+            "max_prompt_length": spec["prompt_length"],
+        }
+        batches = VerlDataLoader(spec["files"], spec["model"], data, spec["batch_size"], spec["model"], drop_last=False)
+    else:
+        batches = _stock_batches(spec, config)
+    prompts = 0
+    for batch in batches:
+        chunks = repeated(batch, spec["n"]).chunk(len(workers))
+        ray.get([worker.run.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
+        prompts += len(batch["raw_prompt"])
+    wall_s = time.perf_counter() - started
+    stats = ray.get([worker.stats.remote() for worker in workers])
+    pipeline = actors.stop()
+    children = os.times()
+    result = {
+        "side": "hand-off" if handoff else "stock",
+        "prompts": prompts,
+        "samples": sum(s["samples"] for s in stats),
+        "wall_s": round(wall_s, 2),
+        "rollout_media_cpu_s": round(sum(s["media_cpu_s"] for s in stats), 2),
+        "step_cpu_s": round(sum(s["step_cpu_s"] for s in stats), 2),
+        "pipeline_cpu_s": pipeline,
+        "controller_cpu_s": round(time.process_time() - cpu_started, 2),
+        "controller_children_cpu_s": round(children.children_user + children.children_system, 2),
+        "controller_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    ray.shutdown()
+    return result
+
+
+CHECKS = {"lifetime": lifetime, "bound": bound, "bench_stock": bench_side, "bench_handoff": bench_side}
+
+
 def main(spec: dict) -> None:
-    result = lifetime(spec) if spec.get("check") == "lifetime" else compare_on_loader_rows(spec)
+    result = CHECKS.get(spec.get("check"), compare_on_loader_rows)(spec)
     with open(spec["out"], "wb") as f:
         pickle.dump(result, f)

@@ -1,0 +1,95 @@
+"""``python -m ingest bench handoff``: verl 0.9.1's agent loop on its own loader's rows against the same agent loop on
+handed-off media (``data.media_handoff``), on the same geo3k-shaped prompts, both cold, in one run.
+
+Each side runs in a new process in the verl 0.9.1 oracle environment, the clock started before Ray: every batch is
+repeated ``rollout.n`` times and split over agent-loop workers (Ray actors, a stand-in LLM server returning fixed
+tokens), up to the generate call and the training inputs, as verl's manager drives them. Stock: verl's
+``RLHFDataset`` + ``StatefulDataLoader`` and ``AgentLoopWorker``. Hand-off: ``VerlDataLoader`` with
+``media_handoff`` and ``IngestAgentLoopWorker``.
+
+Figures (tools/oracle/agent_loop.py, ``bench_side``): the multimodal work's CPU (stock: qwen-vl-utils, the
+continuous-token builder and the training inputs in the workers; hand-off: the same seams, which resolve the
+payload, plus the pipeline's rollout-media actors and its store), the workers' whole ``generate_sequences`` CPU,
+wall time, and the controller's peak RSS (the process that holds the batches; its tree's peak PSS beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+from tools.bench import geo3k_files
+from tools.session import cache_dir, machine
+from tools.verl09_bench import _measured
+
+ROW_FORMAT = "verl-0.9"
+PROMPT_LENGTH = 4096
+
+
+def _side(check: str, files: list[str], model: str, work: Path, n: int, batch_size: int, workers: int) -> dict:
+    from tools.oracle import RUNNER, oracle_environment
+
+    out = work / f"{check}-{time.time_ns()}.pkl"
+    spec = {
+        "files": files,
+        "model": model,
+        "out": str(out),
+        "check": check,
+        "n": n,
+        "batch_size": batch_size,
+        "workers": workers,
+        "prompt_length": PROMPT_LENGTH,
+    }
+    env = oracle_environment(ROW_FORMAT, work / f"verl-{time.time_ns()}")
+    env["RAY_ADDRESS"] = "local"  # a new session, never a cluster left running on the machine
+    measured = _measured([sys.executable, str(RUNNER), "agent_loop", json.dumps(spec)], env, str(work))
+    with open(out, "rb") as f:
+        result = pickle.load(f)
+    out.unlink()
+    return {**result, "tree_peak_pss_mib": measured["peak_pss_mib"]}
+
+
+def _ratios(stock: dict, ours: dict) -> dict:
+    pipeline = ours["pipeline_cpu_s"]["vision"] + ours["pipeline_cpu_s"]["store"]
+    ours_media = ours["rollout_media_cpu_s"] + pipeline
+    return {
+        "media_cpu_s": {"stock": stock["rollout_media_cpu_s"], "hand_off": round(ours_media, 2)},
+        "media_cpu_ratio": round(stock["rollout_media_cpu_s"] / ours_media, 2),
+        "resolve_ms_per_sample": round(1000 * ours["rollout_media_cpu_s"] / ours["samples"], 3),
+        "step_cpu_ratio": round(stock["step_cpu_s"] / ours["step_cpu_s"], 2),
+        "wall_ratio": round(stock["wall_s"] / ours["wall_s"], 2),
+        "controller_rss_ratio": round(ours["controller_peak_rss_mib"] / stock["controller_peak_rss_mib"], 2),
+    }
+
+
+def bench_handoff(
+    rows: int = 2000, n: int = 8, batch_size: int = 128, workers: int = 2, runs: int = 1, work_dir: str | None = None
+) -> dict:
+    """``runs`` runs of both sides (stock first, then the hand-off) on ``rows`` geo3k-shaped prompts."""
+    from ingest.tokenizer.offline import build_offline_model_dir
+    from tools.oracle import oracle_available
+    from tools.samples import rollout_model_dir
+
+    if not oracle_available(ROW_FORMAT):
+        raise RuntimeError(f"the {ROW_FORMAT} oracle is not installed (run `make oracle`)")
+    work = cache_dir(work_dir)
+    files = geo3k_files(work, rows)
+    model = rollout_model_dir(work / "rollout-model", build_offline_model_dir())
+    result = {
+        "machine": machine(),
+        "commit": os.popen("git rev-parse --short HEAD").read().strip(),
+        "rows": rows,
+        "n": n,
+        "batch_size": batch_size,
+        "workers": workers,
+        "runs": [],
+    }
+    for _ in range(runs):
+        stock = _side("bench_stock", files, model, work, n, batch_size, workers)
+        ours = _side("bench_handoff", files, model, work, n, batch_size, workers)
+        result["runs"].append({"stock": stock, "hand_off": ours, **_ratios(stock, ours)})
+    return result
