@@ -17,9 +17,12 @@ functions), and stock qwen-vl-utils fails on one loudly (no such file), never wi
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 URI_PREFIX = "ingest-media://"
 NAMESPACE = "ingest"  # the store actors' Ray namespace: found by name from any job namespace
@@ -79,6 +82,17 @@ def training_inputs(prompt_inputs: Mapping[str, Any]) -> dict:
     if grid is not None:
         inputs["images_seqlens"] = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
     return inputs
+
+
+def encode_payload(payload: Mapping[str, Any]) -> np.ndarray:
+    """A payload as the object store carries it: its pickle as one uint8 array, which Ray moves without pickling it
+    again (the store puts it again, owned there, with one copy and no torch or PIL in its process)."""
+    return np.frombuffer(pickle.dumps(dict(payload), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def decode_payload(encoded: np.ndarray) -> dict:
+    """``encode_payload``'s inverse (the rollout's side)."""
+    return pickle.loads(memoryview(encoded))
 
 
 class PromptMediaMaker:
@@ -216,7 +230,7 @@ class MediaStore:
 
     async def adopt_many(self, entries: list[tuple[str, list, int, int]]) -> None:
         """``(key, [ref], file index, row)`` per prompt of one block (the ref in a list, so Ray hands it over
-        unresolved): once the window has room, each payload put again, owned here."""
+        unresolved; the object an ``encode_payload`` array): once the window has room, each put again, owned here."""
         import asyncio
 
         import ray
@@ -249,8 +263,12 @@ class MediaStore:
 
     async def lookup(self, key: str) -> tuple[list, str, int] | None:
         """``([ref], file, row)``: the ref in a list, so Ray hands it over unresolved."""
-        entry = self._entries.get(key)
-        return None if entry is None else ([entry[0]], self._files[entry[1]], entry[2])
+        return (await self.lookup_many([key]))[0]
+
+    async def lookup_many(self, keys: list[str]) -> list[tuple[list, str, int] | None]:
+        """``lookup`` of each key, in one call."""
+        found = [self._entries.get(key) for key in keys]
+        return [None if entry is None else ([entry[0]], self._files[entry[1]], entry[2]) for entry in found]
 
     async def release(self, keys: list[str]) -> None:
         for key in keys:

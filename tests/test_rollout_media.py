@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from ingest.config import DataConfig
-from ingest.rollout_media import HELD_BATCHES, HeldMedia, handle_items, media_uri, parse_media_uri
+from ingest.rollout_media import (
+    HELD_BATCHES,
+    HeldMedia,
+    decode_payload,
+    encode_payload,
+    handle_items,
+    media_uri,
+    parse_media_uri,
+)
 from ingest.verl.rollout_media import fetch_payload, handed_off, sample_media
 from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
@@ -57,6 +65,28 @@ def test_each_sample_gets_its_own_media_lists_taken_for_the_payloads_only_while_
     assert type(pickle.loads(pickle.dumps(other))) is list  # to the LLM server as a plain list
 
 
+def test_a_payload_travels_as_one_byte_array_and_comes_back_equal():
+    """The store moves payloads as plain byte arrays (one copy, no unpickling there); the rollout gets the same
+    tensors, dtypes and images back."""
+    from PIL import Image
+
+    image = Image.new("RGB", (30, 20), (9, 80, 200))
+    payload = {
+        "images": [image],
+        "videos": None,
+        "prompt_ids": [1, 2, 3],
+        "training_inputs": {"pixel_values": torch.rand(4, 1176), "image_grid_thw": torch.tensor([[1, 2, 2]])},
+    }
+    encoded = encode_payload(payload)
+    assert encoded.dtype == np.uint8 and encoded.ndim == 1
+    back = decode_payload(encoded)
+    assert back["prompt_ids"] == [1, 2, 3] and back["videos"] is None
+    assert np.array_equal(np.asarray(back["images"][0]), np.asarray(image)) and back["images"][0].mode == "RGB"
+    for name, tensor in payload["training_inputs"].items():
+        returned = back["training_inputs"][name]
+        assert returned.dtype == tensor.dtype and torch.equal(returned, tensor)
+
+
 def test_media_handoff_is_for_the_agent_loops_rows():
     for row_format in ("verl-0.5", "verl-0.6"):
         with pytest.raises(ValueError, match="verl-0.7 / verl-0.9 rows"):
@@ -69,7 +99,8 @@ def _adopt(store, keys: list[str], first_row: int = 0):
     """A block with one prompt per key: the store's reply (ready once adopted)."""
     import ray
 
-    return store.adopt_many.remote([(k, [ray.put({"key": k})], 0, first_row + i) for i, k in enumerate(keys)])
+    entries = [(k, [ray.put(encode_payload({"key": k}))], 0, first_row + i) for i, k in enumerate(keys)]
+    return store.adopt_many.remote(entries)
 
 
 def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_session):

@@ -66,7 +66,7 @@ class RolloutMediaStage:
     def process(self, table: pa.Table) -> StageResult:
         import ray
 
-        from ingest.rollout_media import handle_items
+        from ingest.rollout_media import encode_payload, handle_items
 
         bad = BadRows(self.files, table, "raw_prompt")
         rows = filled_raw_prompt(table)
@@ -82,7 +82,7 @@ class RolloutMediaStage:
             if payload["images"] is None and payload["videos"] is None:
                 continue  # a text prompt: nothing to hand off
             keys[i] = uuid.uuid4().hex
-            held.append((keys[i], [ray.put(payload)], files[i], file_rows[i]))
+            held.append((keys[i], [ray.put(encode_payload(payload))], files[i], file_rows[i]))
             handle_items(messages, self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows

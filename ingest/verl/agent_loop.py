@@ -23,6 +23,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopW
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
+from ingest.verl import rollout_media
 from ingest.verl.rollout_media import handed_off
 
 
@@ -98,6 +99,13 @@ class _HandedOffInputsMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         register_agent_loops()
+
+    async def generate_sequences(self, batch, *args, **kwargs):
+        # the batch's payloads in one call per store, before its samples ask for them one by one
+        raw_prompt = getattr(batch, "non_tensor_batch", {}).get("raw_prompt")
+        if raw_prompt is not None:
+            rollout_media.prefetch(raw_prompt)
+        return await super().generate_sequences(batch, *args, **kwargs)
 
     def _compute_multi_modal_inputs(self, output, input_ids) -> dict:
         data = output.multi_modal_data or {}

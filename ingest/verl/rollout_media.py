@@ -67,31 +67,57 @@ _STORES: dict[str, Any] = {}  # store name -> its actor handle (a read's store s
 def fetch_payload(store: str, key: str) -> dict:
     """One prompt's payload from the store ``store`` (this process's copy when it has one)."""
     payload = _CACHE.get(key)
-    if payload is not None:
-        return payload
+    return payload if payload is not None else fetch_payloads(store, [key])[0]
+
+
+def fetch_payloads(store: str, keys: list[str]) -> list[dict]:
+    """Prompts' payloads from the store ``store`` in one lookup and one fetch (this process's copies where it has
+    them), each kept in this process's cache."""
     import ray
     from ray.exceptions import ObjectLostError, OwnerDiedError, RayActorError
 
-    gone = LookupError(
-        f"{URI_PREFIX}{store}/{key}: its media store is gone (the loader that made these rows ended, or its node "
-        "was lost): the rows must be read again"
-    )
-    try:
-        actor = _STORES.get(store) or _STORES.setdefault(store, ray.get_actor(store, namespace=NAMESPACE))
-        found = ray.get(actor.lookup.remote(key))
-    except (ValueError, RayActorError) as exc:
-        _STORES.pop(store, None)
-        raise gone from exc
-    if found is None:
-        raise LookupError(
-            f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or from "
-            "another run): rows with media URIs are valid only while the loader that made them holds them"
-        )
-    (ref,), file, row = found
-    try:
-        return _CACHE.put(key, ray.get(ref))
-    except (ObjectLostError, OwnerDiedError) as exc:
-        raise RuntimeError(f"{file}: row {row}: its prompt media were lost from the object store ({exc})") from exc
+    from ingest.rollout_media import decode_payload
+
+    payloads = {key: _CACHE.get(key) for key in keys}
+    missing = [key for key, payload in payloads.items() if payload is None]
+    if missing:
+        try:
+            actor = _STORES.get(store) or _STORES.setdefault(store, ray.get_actor(store, namespace=NAMESPACE))
+            found = ray.get(actor.lookup_many.remote(missing))
+        except (ValueError, RayActorError) as exc:
+            _STORES.pop(store, None)
+            raise LookupError(
+                f"{URI_PREFIX}{store}/{missing[0]}: its media store is gone (the loader that made these rows ended, "
+                "or its node was lost): the rows must be read again"
+            ) from exc
+        for key, entry in zip(missing, found, strict=True):
+            if entry is None:
+                raise LookupError(
+                    f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or "
+                    "from another run): rows with media URIs are valid only while the loader that made them holds them"
+                )
+        try:
+            encoded = ray.get([entry[0][0] for entry in found])
+        except (ObjectLostError, OwnerDiedError) as exc:
+            lost = [f"{entry[1]}: row {entry[2]}" for entry in found]
+            raise RuntimeError(f"prompt media lost from the object store ({exc}); rows: {', '.join(lost)}") from exc
+        for key, array in zip(missing, encoded, strict=True):
+            payloads[key] = _CACHE.put(key, decode_payload(array))
+    return [payloads[key] for key in keys]
+
+
+def prefetch(raw_prompts: Iterable[Any]) -> None:
+    """Fetches the payloads of a batch's prompts (its ``raw_prompt`` messages) in one call per store, so that its
+    samples find them in this process's cache (at most ``PROCESS_CACHE_PROMPTS`` of them)."""
+    by_store: dict[str, dict[str, None]] = {}
+    for messages in raw_prompts:
+        for item in media_items(messages)[:1]:
+            parsed = parse_media_uri(item.get(item["type"]))
+            if parsed is not None:
+                by_store.setdefault(parsed[0], {})[parsed[1]] = None
+    for store, keys in by_store.items():
+        keys = list(keys)[-PROCESS_CACHE_PROMPTS:]
+        fetch_payloads(store, keys)
 
 
 def prompt_media(messages: Iterable[Mapping]) -> dict | None:

@@ -233,8 +233,10 @@ def lifetime(spec: dict) -> dict:
     again = next(resumed_batches)
 
     def payload(held_loader, key: str) -> dict:
+        from ingest.rollout_media import decode_payload
+
         (ref,), _, _ = _held(held_loader, key)
-        found = ray.get(ref)
+        found = decode_payload(ray.get(ref))
         return {"prompt_ids": found["prompt_ids"], "pixel_values": found["training_inputs"]["pixel_values"]}
 
     # the batch after the saved state, made again by the resumed loader, against the same batch of a fresh loader
@@ -385,6 +387,7 @@ def _meter_media_work(meter: CpuMeter, handoff: bool) -> None:
         import ingest.verl.agent_loop as ours
         import ingest.verl.rollout_media as rollout_media
 
+        rollout_media.prefetch = meter.wrap(rollout_media.prefetch)
         rollout_media.prompt_media = meter.wrap(rollout_media.prompt_media)
         rollout_media.sample_media = meter.wrap(rollout_media.sample_media)
         ours._HandedOffPromptTokens.build_initial_tokens = meter.wrap(ours._HandedOffPromptTokens.build_initial_tokens)
@@ -477,12 +480,14 @@ def bench_side(spec: dict) -> dict:
     """One side of ``python -m ingest bench handoff`` in a new process (the clock starts before Ray does): every
     batch of ``spec["files"]`` repeated ``rollout.n`` times and split over ``spec["workers"]`` agent-loop workers, as
     verl's manager does. Stock: verl's own loader and worker; hand-off: ``VerlDataLoader`` with ``media_handoff`` and
-    ``IngestAgentLoopWorker``."""
+    ``IngestAgentLoopWorker``; rows: ``VerlDataLoader`` without it and no agent loop (what the pipeline spends on
+    the rows alone, so that the hand-off's share of the pipeline's CPU is known whatever actors its stage runs in)."""
     import resource
 
     import ray
 
-    handoff = spec["check"] == "bench_handoff"
+    side = {"bench_stock": "stock", "bench_handoff": "hand-off", "bench_rows": "rows"}[spec["check"]]
+    handoff = side == "hand-off"
     started, cpu_started = time.perf_counter(), time.process_time()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -490,30 +495,30 @@ def bench_side(spec: dict) -> dict:
     actors = ActorCpu()
     config = trainer_config(spec["model"], spec["n"], spec["prompt_length"], handoff)
     config.data.max_prompt_length = spec["prompt_length"]
-    workers = [ray.remote(BenchWorker).options(num_cpus=0).remote(config, handoff) for _ in range(spec["workers"])]
-    if handoff:
+    workers = []
+    if side != "rows":
+        remote = ray.remote(BenchWorker).options(num_cpus=0)
+        workers = [remote.remote(config, handoff) for _ in range(spec["workers"])]
+    if side == "stock":
+        batches = _stock_batches(spec, config)
+    else:
         from ingest.verl import VerlDataLoader
 
-        data = {
-            "row_format": "verl-0.9",
-            "shuffle": False,
-            "media_handoff": True,
-            "max_prompt_length": spec["prompt_length"],
-        }
+        data = {"row_format": "verl-0.9", "shuffle": False, "max_prompt_length": spec["prompt_length"]}
+        data["media_handoff"] = handoff
         batches = VerlDataLoader(spec["files"], spec["model"], data, spec["batch_size"], spec["model"], drop_last=False)
-    else:
-        batches = _stock_batches(spec, config)
     prompts = 0
     for batch in batches:
-        chunks = repeated(batch, spec["n"]).chunk(len(workers))
-        ray.get([worker.run.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
+        if workers:
+            chunks = repeated(batch, spec["n"]).chunk(len(workers))
+            ray.get([worker.run.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
         prompts += len(batch["raw_prompt"])
     wall_s = time.perf_counter() - started
     stats = ray.get([worker.stats.remote() for worker in workers])
     pipeline = actors.stop()
     children = os.times()
     result = {
-        "side": "hand-off" if handoff else "stock",
+        "side": side,
         "prompts": prompts,
         "samples": sum(s["samples"] for s in stats),
         "wall_s": round(wall_s, 2),
@@ -528,7 +533,11 @@ def bench_side(spec: dict) -> dict:
     return result
 
 
-CHECKS = {"lifetime": lifetime, "bound": bound, "bench_stock": bench_side, "bench_handoff": bench_side}
+CHECKS = {
+    "lifetime": lifetime,
+    "bound": bound,
+    **dict.fromkeys(("bench_stock", "bench_handoff", "bench_rows"), bench_side),
+}
 
 
 def main(spec: dict) -> None:
