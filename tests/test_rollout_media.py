@@ -169,44 +169,70 @@ def test_rows_a_resumed_read_drops_and_a_stopped_reads_rows_are_released(ray_ses
         ray.get(first.lookup.remote("k0"), timeout=30)
 
 
+def _same_arrays(ours: list, theirs: list) -> bool:
+    return len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+# per release: (family, media, batches, batch size, rollout.n); the videos with an image beside them in every row
+HANDOFF_CASES = {
+    "verl-0.9": [
+        ("qwen2-vl", "images", 2, 8, N),
+        ("qwen2.5-vl", "frame lists", 1, 4, 2),
+        ("qwen3-vl", "video files", 1, 4, 2),
+    ],
+    "verl-0.7": [("qwen2-vl", "images", 2, 8, N), ("qwen3-vl", "frame lists", 1, 4, 2)],
+}
+
+
 @slow
-@pytest.mark.parametrize("row_format", ["verl-0.9", "verl-0.7"])
+@pytest.mark.parametrize("row_format", list(HANDOFF_CASES))
 def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format):
+    """Images (Qwen2-VL) and videos beside images (Qwen2.5-VL, Qwen3-VL; frame lists and MPEG-4 files), each
+    prompt ``rollout.n`` times, through the release's own worker and through ours."""
     if not oracle_available(row_format):
         pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
-    model = rollout_model_dir(tmp_path / "model", model_dir)
-    spec = {
-        "model": model,
-        "n": N,
-        "batch_size": 8,
-        "batches": 2,
-        "prompt_length": 4096,
-        "data": {"row_format": row_format},
-    }
-    result = run_verl("agent_loop", list(geo3k_files), model, None, row_format=row_format, timeout=900, **spec)
-    assert len(result["expected"]) == 2
-    for expected, handed in zip(result["expected"], result["handed_off"], strict=True):
-        assert expected["tensors"].keys() == handed["tensors"].keys()
-        for name, tensor in expected["tensors"].items():
-            assert torch.equal(tensor, handed["tensors"][name]), name
-        assert len(expected["multi_modal_inputs"]) == 8 * N
-        for ours, theirs in zip(handed["multi_modal_inputs"], expected["multi_modal_inputs"], strict=True):
-            assert ours.keys() == theirs.keys() and "pixel_values" in theirs
-            for name, tensor in theirs.items():
-                assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
-    # the server gets the same prompt ids and images (the samples of a batch finish in any order)
-    order = lambda request: request["prompt_ids"]  # noqa: E731
-    stock, ours = sorted(result["stock_requests"], key=order), sorted(result["handoff_requests"], key=order)
-    assert len(stock) == len(ours) == 2 * 8 * N
-    for theirs, mine in zip(stock, ours, strict=True):
-        assert theirs["prompt_ids"] == mine["prompt_ids"]
-        assert len(theirs["images"]) == len(mine["images"]) > 0
-        assert all(np.array_equal(a, b) for a, b in zip(theirs["images"], mine["images"], strict=True))
-    # no sample made its prompt's media again; the rows carried URIs, not images
-    counts = result["handoff_counts"]
-    assert counts["process_vision_info"] == 0 and counts["processor"] == 0, counts
-    items = [item for message in result["last_raw_prompt"][0] for item in message["content"] if item["type"] == "image"]
-    assert items and all(parse_media_uri(item["image"]) for item in items)
+    from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
+
+    processors = {"qwen2-vl": lambda out: model_dir, "qwen2.5-vl": qwen25_vl_model_dir, "qwen3-vl": qwen3_vl_model_dir}
+    cases = []
+    for family, media, batches, size, n in HANDOFF_CASES[row_format]:
+        where = tmp_path / f"{family}-{media.replace(' ', '-')}"
+        model = rollout_model_dir(where / "model", processors[family](where / "processor"), family)
+        files = list(geo3k_files)
+        if media != "images":
+            kind = "frames" if media == "frame lists" else "file"
+            files = [str(f) for f in write_video_parquet(where / "data", size * batches, kind=kind, with_images=True)]
+        spec = {"files": files, "model": model, "n": n, "batch_size": size, "batches": batches, "prompt_length": 8192}
+        data = {"row_format": row_format, "max_prompt_length": 8192}  # every row kept: the batch sizes below
+        cases.append({**spec, "data": data, "case": (family, media, n, size * batches)})
+    result = run_verl("agent_loop", [], model_dir, None, row_format=row_format, timeout=1500, cases=cases)
+    for case, outcome in zip(cases, result["cases"], strict=True):
+        family, media, n, prompts = case["case"]
+        assert len(outcome["expected"]) == case["batches"], case["case"]
+        for expected, handed in zip(outcome["expected"], outcome["handed_off"], strict=True):
+            assert expected["tensors"].keys() == handed["tensors"].keys()
+            for name, tensor in expected["tensors"].items():
+                assert torch.equal(tensor, handed["tensors"][name]), (case["case"], name)
+            assert len(expected["multi_modal_inputs"]) == case["batch_size"] * n
+            for ours, theirs in zip(handed["multi_modal_inputs"], expected["multi_modal_inputs"], strict=True):
+                kind = "pixel_values" if media == "images" else "pixel_values_videos"
+                assert ours.keys() == theirs.keys() and kind in theirs, (case["case"], theirs.keys())
+                for name, tensor in theirs.items():
+                    assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), (case["case"], name)
+        # the server gets the same prompt ids, images and video frames (a batch's samples finish in any order)
+        order = lambda request: request["prompt_ids"]  # noqa: E731
+        stock, ours = sorted(outcome["stock_requests"], key=order), sorted(outcome["handoff_requests"], key=order)
+        assert len(stock) == len(ours) == prompts * n
+        for theirs, mine in zip(stock, ours, strict=True):
+            assert theirs["prompt_ids"] == mine["prompt_ids"]
+            assert _same_arrays(mine["images"], theirs["images"]) and theirs["images"]
+            assert _same_arrays(mine["videos"], theirs["videos"]) and bool(theirs["videos"]) == (media != "images")
+        # no sample made its prompt's media again; the rows carried URIs, not media
+        counts = outcome["handoff_counts"]
+        assert counts["process_vision_info"] == 0 and counts["processor"] == 0, (case["case"], counts)
+        raw_prompt = outcome["last_raw_prompt"][0]
+        items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
+        assert items and all(parse_media_uri(item[item["type"]]) for item in items)
 
 
 def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():

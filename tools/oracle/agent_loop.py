@@ -138,17 +138,27 @@ def _handoff_worker_class():
     return HandoffWorker
 
 
-def compare_on_loader_rows(spec: dict) -> dict:
-    """Both sides on the first ``spec["batches"]`` batches of the files' verl-0.9 rows."""
+def compare_cases(spec: dict) -> dict:
+    """``compare_on_loader_rows`` for each of ``spec["cases"]`` (files, model, data and the rest of a spec), in one
+    process and one Ray session."""
     import ray
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
-    from ingest.verl import VerlDataLoader
 
     # the hand-off worker's actor imports this module: the repository root on its path, as on this process's
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    results = [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]
+    ray.shutdown()
+    return {"cases": results}
+
+
+def compare_on_loader_rows(spec: dict) -> dict:
+    """Both sides on the first ``spec["batches"]`` batches of the files' rows (Ray started)."""
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from ingest.verl import VerlDataLoader
+
     model, n, size = spec["model"], spec["n"], spec["batch_size"]
     data = {"shuffle": False, **spec["data"]}  # row_format among them
 
@@ -175,7 +185,8 @@ def compare_on_loader_rows(spec: dict) -> dict:
         counts.append(count)
     requests = seen  # the worker's server keeps every request of the run
     raw_prompt = batch["raw_prompt"]
-    ray.shutdown()
+    del loader  # its store goes; the next case makes its own
+    ray.kill(worker)
     return {
         "expected": expected,
         "handed_off": handed,
@@ -541,6 +552,6 @@ CHECKS = {
 
 
 def main(spec: dict) -> None:
-    result = CHECKS.get(spec.get("check"), compare_on_loader_rows)(spec)
+    result = CHECKS.get(spec.get("check"), compare_cases)(spec)
     with open(spec["out"], "wb") as f:
         pickle.dump(result, f)
