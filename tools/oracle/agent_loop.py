@@ -294,14 +294,15 @@ def lifetime(spec: dict) -> dict:
 
 
 class RolloutStandIn:
-    """A rollout worker's side of the hand-off, standing in for the agent loop: each prompt of a batch resolved for
-    each of its ``n`` samples (``prompt_media`` then ``sample_media``, as ``IngestDataset`` and the loops do), in a
-    process of its own; the CPU seconds it took."""
+    """A rollout worker's side of the hand-off, standing in for the agent loop: a batch's payloads fetched, then each
+    prompt resolved for each of its ``n`` samples (``prompt_media`` then ``sample_media``, as ``IngestDataset`` and
+    the loops do), in a process of its own; the CPU seconds it took."""
 
     def resolve(self, raw_prompt: list, n: int) -> dict:
-        from ingest.verl.rollout_media import prompt_media, sample_media
+        from ingest.verl.rollout_media import prefetch, prompt_media, sample_media
 
         started, samples = time.process_time(), 0
+        prefetch(raw_prompt)  # as IngestAgentLoopWorker does before a batch's samples run
         for messages in raw_prompt:
             for _ in range(n):
                 payload = prompt_media(messages)
@@ -311,7 +312,7 @@ class RolloutStandIn:
         return {"samples": samples, "cpu_s": time.process_time() - started}
 
 
-def _stalled(loader, seconds: float = 3.0) -> dict:
+def _stalled(loader, seconds: float = 1.5) -> dict:
     """The store's figures once the pipeline has had ``seconds`` with no change while the loader takes nothing:
     what it makes ahead of a trainer that stopped."""
     last = None
