@@ -53,6 +53,16 @@ def media_items(messages: Iterable[Mapping]) -> list[dict]:
     ]
 
 
+def prompt_media_key(messages: Iterable[Mapping]) -> tuple[str, str] | None:
+    """``(store, key)`` of the prompt whose ``messages`` hold media URIs (read from its first media item), None where
+    its first media item is no URI or it has none."""
+    for item in media_items(messages)[:1]:
+        parsed = parse_media_uri(item.get(item["type"]))
+        if parsed is not None:
+            return parsed[0], parsed[1]
+    return None
+
+
 def handle_items(messages: list[dict], store: str, key: str) -> list[dict]:
     """``messages`` with each image / video item's media replaced by its URI (in place; the other keys dropped:
     the payload holds what verl makes of them)."""

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ingest.rollout_media import MEDIA_KINDS, NAMESPACE, URI_PREFIX, media_items, parse_media_uri
+from ingest.rollout_media import MEDIA_KINDS, NAMESPACE, URI_PREFIX, media_items, parse_media_uri, prompt_media_key
 
 # prompts whose media a rollout worker process keeps (a prompt's n samples mostly run in one worker, one after another)
 PROCESS_CACHE_PROMPTS = 64
@@ -111,10 +111,9 @@ def prefetch(raw_prompts: Iterable[Any]) -> None:
     samples find them in this process's cache (at most ``PROCESS_CACHE_PROMPTS`` of them)."""
     by_store: dict[str, dict[str, None]] = {}
     for messages in raw_prompts:
-        for item in media_items(messages)[:1]:
-            parsed = parse_media_uri(item.get(item["type"]))
-            if parsed is not None:
-                by_store.setdefault(parsed[0], {})[parsed[1]] = None
+        found = prompt_media_key(messages)
+        if found is not None:
+            by_store.setdefault(found[0], {})[found[1]] = None
     for store, keys in by_store.items():
         keys = list(keys)[-PROCESS_CACHE_PROMPTS:]
         fetch_payloads(store, keys)

@@ -199,11 +199,9 @@ def compare_on_loader_rows(spec: dict) -> dict:
 
 
 def _batch_keys(batch: dict) -> list[str]:
-    from ingest.rollout_media import media_items, parse_media_uri
+    from ingest.rollout_media import prompt_media_key
 
-    return [
-        parse_media_uri(item[item["type"]])[1] for messages in batch["raw_prompt"] for item in media_items(messages)[:1]
-    ]
+    return [found[1] for messages in batch["raw_prompt"] if (found := prompt_media_key(messages)) is not None]
 
 
 def _held(loader, key: str):
