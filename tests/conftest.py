@@ -72,7 +72,6 @@ def ray_session():
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=False,
-        _system_config={"metrics_report_interval_ms": 1000},  # the metrics test reads the exported counters
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray

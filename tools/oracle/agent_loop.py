@@ -223,6 +223,19 @@ def lifetime(spec: dict) -> dict:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     model, size = spec["model"], spec["batch_size"]
     config = {"shuffle": False, "media_handoff": True, **spec["data"]}
+
+    def payloads(held_loader, keys: list[str]) -> list[dict]:
+        from ingest.rollout_media import decode_payload
+
+        found = []
+        for key in keys:
+            (ref,), _, _ = _held(held_loader, key)
+            payload = decode_payload(ray.get(ref))
+            found.append(
+                {"prompt_ids": payload["prompt_ids"], "pixel_values": payload["training_inputs"]["pixel_values"]}
+            )
+        return found
+
     loader = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
     batches = iter(loader)
     first = next(batches)
@@ -230,6 +243,7 @@ def lifetime(spec: dict) -> dict:
     second = next(batches)
     sizes = [loader.held_media.stats()["held"]]
     keys = [_batch_keys(first), _batch_keys(second)]
+    second_payloads = payloads(loader, keys[1])  # while held: the batch a loader resumed from ``state`` makes again
     for batch in batches:
         keys.append(_batch_keys(batch))
         sizes.append(loader.held_media.stats()["held"])
@@ -240,26 +254,10 @@ def lifetime(spec: dict) -> dict:
     resumed.load_state_dict(state)
     resumed_batches = iter(resumed)
     again = next(resumed_batches)
-
-    def payload(held_loader, key: str) -> dict:
-        from ingest.rollout_media import decode_payload
-
-        (ref,), _, _ = _held(held_loader, key)
-        found = decode_payload(ray.get(ref))
-        return {"prompt_ids": found["prompt_ids"], "pixel_values": found["training_inputs"]["pixel_values"]}
-
-    # the batch after the saved state, made again by the resumed loader, against the same batch of a fresh loader
-    fresh = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
-    fresh_batches = iter(fresh)
-    next(fresh_batches)
-    fresh_second = next(fresh_batches)
     resume = {
         "index": (list(second["index"]), list(again["index"])),
         "keys": (keys[1], _batch_keys(again)),
-        "payloads": (
-            [payload(resumed, k) for k in _batch_keys(again)],
-            [payload(fresh, k) for k in _batch_keys(fresh_second)],
-        ),
+        "payloads": (payloads(resumed, _batch_keys(again)), second_payloads),
     }
 
     @ray.remote
@@ -272,8 +270,7 @@ def lifetime(spec: dict) -> dict:
             return f"{type(exc).__name__}: {exc}"
         return "fetched"
 
-    for unfinished in (resumed_batches, fresh_batches):  # their pipelines stop while Ray is up
-        unfinished.close()
+    resumed_batches.close()  # its pipeline stops while Ray is up
     # a store that is gone (its loader ended): fetching from it says so (another prompt than the one fetched before:
     # a worker process keeps what it fetched)
     name, keys_again = resumed.held_media.name, _batch_keys(again)
