@@ -185,28 +185,58 @@ HANDOFF_CASES = {
 }
 
 
-@slow
-@pytest.mark.parametrize("row_format", list(HANDOFF_CASES))
-def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format):
-    """Images (Qwen2-VL) and videos beside images (Qwen2.5-VL, Qwen3-VL; frame lists and MPEG-4 files), each
-    prompt ``rollout.n`` times, through the release's own worker and through ours."""
-    if not oracle_available(row_format):
-        pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
+def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> list[dict]:
+    """``compare_cases``' cases of ``HANDOFF_CASES[row_format]``, their models and video files written under
+    ``root``."""
     from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
 
     processors = {"qwen2-vl": lambda out: model_dir, "qwen2.5-vl": qwen25_vl_model_dir, "qwen3-vl": qwen3_vl_model_dir}
     cases = []
     for family, media, batches, size, n in HANDOFF_CASES[row_format]:
-        where = tmp_path / f"{family}-{media.replace(' ', '-')}"
+        where = root / f"{family}-{media.replace(' ', '-')}"
         model = rollout_model_dir(where / "model", processors[family](where / "processor"), family)
-        files = list(geo3k_files)
+        files = [str(f) for f in geo3k_files]
         if media != "images":
             kind = "frames" if media == "frame lists" else "file"
             files = [str(f) for f in write_video_parquet(where / "data", size * batches, kind=kind, with_images=True)]
         spec = {"files": files, "model": model, "n": n, "batch_size": size, "batches": batches, "prompt_length": 8192}
         data = {"row_format": row_format, "max_prompt_length": 8192}  # every row kept: the batch sizes below
         cases.append({**spec, "data": data, "case": (family, media, n, size * batches)})
-    result = run_verl("agent_loop", [], model_dir, None, row_format=row_format, timeout=1500, cases=cases)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
+    """The verl 0.9.1 oracle's agent-loop checks of this module (the comparison, the lifetime, the bound) in one
+    process, each in a Ray session of its own: verl, transformers and torch are imported once. Each test reads its
+    part (``specs`` and ``results`` by check)."""
+    if not oracle_available("verl-0.9"):
+        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+    root = tmp_path_factory.mktemp("verl-0.9-agent-loop")
+    specs = {
+        "compare": {"check": "compare", "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir)},
+        "lifetime": _lifetime_spec(root / "lifetime", model_dir),
+        "bound": _bound_spec(root / "bound", model_dir),
+    }
+    result = run_verl(
+        "agent_loop", [], model_dir, None, row_format="verl-0.9", timeout=3000, check="several", checks=specs
+    )
+    return {"specs": specs, "results": result}
+
+
+@slow
+@pytest.mark.parametrize("row_format", list(HANDOFF_CASES))
+def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format, request):
+    """Images (Qwen2-VL) and videos beside images (Qwen2.5-VL, Qwen3-VL; frame lists and MPEG-4 files), each
+    prompt ``rollout.n`` times, through the release's own worker and through ours."""
+    if row_format == "verl-0.9":
+        checks = request.getfixturevalue("verl09_checks")
+        cases, result = checks["specs"]["compare"]["cases"], checks["results"]["compare"]
+    else:
+        if not oracle_available(row_format):
+            pytest.skip(f"the {row_format} oracle is not installed (make oracle)")
+        cases = _handoff_cases(row_format, tmp_path, geo3k_files, model_dir)
+        result = run_verl("agent_loop", [], model_dir, None, row_format=row_format, timeout=1500, cases=cases)
     for case, outcome in zip(cases, result["cases"], strict=True):
         family, media, n, prompts = case["case"]
         assert len(outcome["expected"]) == case["batches"], case["case"]
@@ -261,20 +291,20 @@ def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
         use_handoff_manager(config(True, False, "my.Manager"))
 
 
-@slow
-def test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume(model_dir, tmp_path):
-    """One loader over 96 prompts in batches of 8: each batch's media are held until the second batch after it is
-    handed out, then released; a loader
-    resumed from a ``state_dict`` makes the next batch's media again (new keys, the same payloads); once a loader's
-    store is gone, fetching from it says so."""
-    if not oracle_available("verl-0.9"):
-        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
+def _lifetime_spec(root, model_dir: str) -> dict:
     from tools.samples import write_geo3k_parquet
 
-    files = [str(f) for f in write_geo3k_parquet(tmp_path / "data", 96, num_files=2, row_group_size=12)]
-    model = rollout_model_dir(tmp_path / "model", model_dir)
-    spec = {"model": model, "batch_size": 8, "data": {"row_format": "verl-0.9"}, "check": "lifetime"}
-    result = run_verl("agent_loop", files, model, None, row_format="verl-0.9", timeout=900, **spec)
+    files = [str(f) for f in write_geo3k_parquet(root / "data", 96, num_files=2, row_group_size=12)]
+    model = rollout_model_dir(root / "model", model_dir)
+    return {"check": "lifetime", "files": files, "model": model, "batch_size": 8, "data": {"row_format": "verl-0.9"}}
+
+
+@slow
+def test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume(verl09_checks):
+    """One loader over 96 prompts in batches of 8: each batch's media are held until the second batch after it is
+    handed out, then released; a loader resumed from a ``state_dict`` makes the next batch's media again (new keys, the same payloads); once a loader's
+    store is gone, fetching from it says so."""
+    result = verl09_checks["results"]["lifetime"]
     assert result["rows"] == 96
     assert all(result["released"]) and all(result["last_held"]) and len(result["last_held"]) == HELD_BATCHES * 8
     # once the epoch is made, the store holds the last two batches' media and nothing else
@@ -317,26 +347,37 @@ def test_with_media_handoff_the_decode_stage_leaves_counting_rows_out_to_the_rol
 BOUND_PROMPTS = 20_000
 
 
+BOUND_BATCH, BOUND_UNIT, BOUND_POOL = 128, 128, 2  # batch size, rows per read task, vision actors
+
+
+def _bound_spec(root, model_dir: str) -> dict:
+    from tools.samples import write_geo3k_parquet
+
+    files = write_geo3k_parquet(
+        root / "data", BOUND_PROMPTS, num_files=2, row_group_size=BOUND_UNIT, kinds=("tiny",), multi_every=0
+    )
+    data = {"row_format": "verl-0.9", "read_rows_per_task": BOUND_UNIT, "vision_pool_max_size": BOUND_POOL}
+    return {
+        "check": "bound",
+        "files": [str(f) for f in files],
+        "model": rollout_model_dir(root / "model", model_dir),
+        "batch_size": BOUND_BATCH,
+        "n": 8,
+        "data": data,
+        "stall_at": [2, 70, 150],
+    }
+
+
 @slow
-def test_the_store_stays_within_the_window_over_a_long_run_with_stalls(model_dir, tmp_path):
+def test_the_store_stays_within_the_window_over_a_long_run_with_stalls(verl09_checks):
     """20,000 prompts (small images: the store's count, not the pixels, is under test) in batches of 128, each
     prompt resolved ``rollout.n = 8`` times by a stand-in rollout worker; three times the loader stops taking
     batches until the pipeline has settled. Made ahead of the loader: the window, or while the loader waits for a
     block, what the vision actors finish meanwhile (a task's blocks, two here). The store never holds more than that
     plus the two handed-out batches and the rows the loader took; without the window the pipeline would make the
     whole epoch's media ahead of a stalled trainer."""
-    if not oracle_available("verl-0.9"):
-        pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
-    from tools.samples import write_geo3k_parquet
-
-    batch, unit, pool = 128, 128, 2
-    files = write_geo3k_parquet(
-        tmp_path / "data", BOUND_PROMPTS, num_files=2, row_group_size=unit, kinds=("tiny",), multi_every=0
-    )
-    model = rollout_model_dir(tmp_path / "model", model_dir)
-    data = {"row_format": "verl-0.9", "read_rows_per_task": unit, "vision_pool_max_size": pool}
-    spec = {"model": model, "batch_size": batch, "n": 8, "data": data, "check": "bound", "stall_at": [2, 70, 150]}
-    result = run_verl("agent_loop", [str(f) for f in files], model, None, row_format="verl-0.9", timeout=1200, **spec)
+    result = verl09_checks["results"]["bound"]
+    batch, unit, pool = BOUND_BATCH, BOUND_UNIT, BOUND_POOL
     assert result["rows"] == BOUND_PROMPTS and result["samples"] == 8 * BOUND_PROMPTS
     window = batch  # media_handoff_ahead's default: one batch
     ahead = window + 2 * pool * unit

@@ -547,6 +547,16 @@ CHECKS = {
 }
 
 
+def several(spec: dict) -> dict:
+    """Each of ``spec["checks"]`` (a name -> a spec with its ``check``), one after another in this process: the
+    result of each by name."""
+    return {name: CHECKS[check["check"]](check) for name, check in spec["checks"].items()}
+
+
+CHECKS["compare"] = compare_cases
+CHECKS["several"] = several
+
+
 def main(spec: dict) -> None:
     result = CHECKS.get(spec.get("check"), compare_cases)(spec)
     with open(spec["out"], "wb") as f:
