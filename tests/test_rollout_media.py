@@ -302,8 +302,8 @@ def _lifetime_spec(root, model_dir: str) -> dict:
 @slow
 def test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume(verl09_checks):
     """One loader over 96 prompts in batches of 8: each batch's media are held until the second batch after it is
-    handed out, then released; a loader resumed from a ``state_dict`` makes the next batch's media again (new keys, the same payloads); once a loader's
-    store is gone, fetching from it says so."""
+    handed out, then released; a loader resumed from a ``state_dict`` makes the next batch's media again (new keys,
+    the same payloads); once a loader's store is gone, fetching from it says so."""
     result = verl09_checks["results"]["lifetime"]
     assert result["rows"] == 96
     assert all(result["released"]) and all(result["last_held"]) and len(result["last_held"]) == HELD_BATCHES * 8
