@@ -21,7 +21,7 @@ from ingest.rollout_media import (
     media_uri,
     parse_media_uri,
 )
-from ingest.verl.rollout_media import fetch_payload, handed_off, sample_media
+from ingest.verl.rollout_media import fetch_payload, fetch_payloads, handed_off, sample_media
 from tests.support.tiers import slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import rollout_model_dir
@@ -125,6 +125,48 @@ def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_sess
         fetch_payload(held.name, batches[0])
 
 
+class _PayloadOwner:
+    """Owns what it puts: once it is killed, its objects are lost, as a lost node's are."""
+
+    def put(self, value) -> list:
+        import ray
+
+        return [ray.put(value)]  # in a list, so the caller gets the ref, not the value
+
+
+class _FixedStore:
+    """A media store standing in with given entries (``MediaStore.lookup_many``'s replies)."""
+
+    def __init__(self, entries: dict):
+        self.entries = entries
+
+    def lookup_many(self, keys: list[str]) -> list:
+        return [self.entries.get(key) for key in keys]
+
+
+def test_a_payload_lost_from_the_object_store_names_its_file_and_row_alone(ray_session):
+    """A batch fetch that finds one payload lost (its owner gone, as with a lost node) fails with that prompt's file
+    and row, not the whole batch's."""
+    import ray
+
+    from ingest.rollout_media import NAMESPACE
+
+    owner = ray.remote(_PayloadOwner).options(num_cpus=0).remote()
+    (lost,) = ray.get(owner.put.remote(encode_payload({"key": "lost-b"})))
+    entries = {
+        "lost-a": ([ray.put(encode_payload({"key": "lost-a"}))], "f.parquet", 5),
+        "lost-b": ([lost], "f.parquet", 6),
+        "lost-c": ([ray.put(encode_payload({"key": "lost-c"}))], "g.parquet", 7),
+    }
+    name = "ingest-media-lost-test"
+    store = ray.remote(_FixedStore).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(entries)
+    ray.kill(owner)
+    with pytest.raises(RuntimeError, match=r"lost from the object store; rows: f\.parquet: row 6 \("):
+        fetch_payloads(name, list(entries))
+    assert [p["key"] for p in fetch_payloads(name, ["lost-a", "lost-c"])] == ["lost-a", "lost-c"]  # the others
+    ray.kill(store)
+
+
 def test_the_store_holds_the_media_made_ahead_of_the_loader_to_its_window(ray_session):
     """Made ahead of the loader: at most ``ahead`` prompts; a block beyond waits (so does the vision actor that made
     it) until the loader takes rows, or until the loader has waited for a block (the one it needs may be behind)."""
@@ -178,14 +220,20 @@ def _same_arrays(ours: list, theirs: list) -> bool:
     return len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-# per release: (family, media, batches, batch size, rollout.n); the videos with an image beside them in every row
+# per release: (family, media, batches, batch size, rollout.n, agent loop); the videos with an image beside them in
+# every row; the tool loop renders its prompt with a tool schema
 HANDOFF_CASES = {
     "verl-0.9": [
-        ("qwen2-vl", "images", 2, 8, N),
-        ("qwen2.5-vl", "frame lists", 1, 4, 2),
-        ("qwen3-vl", "video files", 1, 4, 2),
+        ("qwen2-vl", "images", 2, 8, N, "single_turn_agent"),
+        ("qwen2.5-vl", "frame lists", 1, 4, 2, "single_turn_agent"),
+        ("qwen3-vl", "video files", 1, 4, 2, "single_turn_agent"),
+        ("qwen2-vl", "images", 1, 4, 2, "tool_agent"),
     ],
-    "verl-0.7": [("qwen2-vl", "images", 2, 8, N), ("qwen3-vl", "frame lists", 1, 4, 2)],
+    "verl-0.7": [
+        ("qwen2-vl", "images", 2, 8, N, "single_turn_agent"),
+        ("qwen3-vl", "frame lists", 1, 4, 2, "single_turn_agent"),
+        ("qwen2-vl", "images", 1, 4, 2, "tool_agent"),
+    ],
 }
 
 
@@ -196,8 +244,8 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
 
     processors = {"qwen2-vl": lambda out: model_dir, "qwen2.5-vl": qwen25_vl_model_dir, "qwen3-vl": qwen3_vl_model_dir}
     cases = []
-    for family, media, batches, size, n in HANDOFF_CASES[row_format]:
-        where = root / f"{family}-{media.replace(' ', '-')}"
+    for family, media, batches, size, n, agent in HANDOFF_CASES[row_format]:
+        where = root / f"{family}-{media.replace(' ', '-')}-{agent}"
         model = rollout_model_dir(where / "model", processors[family](where / "processor"), family)
         files = [str(f) for f in geo3k_files]
         if media != "images":
@@ -205,7 +253,7 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
             files = [str(f) for f in write_video_parquet(where / "data", size * batches, kind=kind, with_images=True)]
         spec = {"files": files, "model": model, "n": n, "batch_size": size, "batches": batches, "prompt_length": 8192}
         data = {"row_format": row_format, "max_prompt_length": 8192}  # every row kept: the batch sizes below
-        cases.append({**spec, "data": data, "case": (family, media, n, size * batches)})
+        cases.append({**spec, "data": data, "agent": agent, "case": (family, media, n, size * batches, agent)})
     return cases
 
 
@@ -232,7 +280,8 @@ def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("row_format", list(HANDOFF_CASES))
 def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format, request):
     """Images (Qwen2-VL) and videos beside images (Qwen2.5-VL, Qwen3-VL; frame lists and MPEG-4 files), each
-    prompt ``rollout.n`` times, through the release's own worker and through ours."""
+    prompt ``rollout.n`` times, through the release's own worker and through ours; images through the tool loop
+    too."""
     if row_format == "verl-0.9":
         checks = request.getfixturevalue("verl09_checks")
         cases, result = checks["specs"]["compare"]["cases"], checks["results"]["compare"]
@@ -242,7 +291,7 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
         cases = _handoff_cases(row_format, tmp_path, geo3k_files, model_dir)
         result = run_verl("agent_loop", [], model_dir, None, row_format=row_format, timeout=1500, cases=cases)
     for case, outcome in zip(cases, result["cases"], strict=True):
-        family, media, n, prompts = case["case"]
+        family, media, n, prompts, agent = case["case"]
         assert len(outcome["expected"]) == case["batches"], case["case"]
         for expected, handed in zip(outcome["expected"], outcome["handed_off"], strict=True):
             assert expected["tensors"].keys() == handed["tensors"].keys()
@@ -262,9 +311,11 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
             assert theirs["prompt_ids"] == mine["prompt_ids"]
             assert _same_arrays(mine["images"], theirs["images"]) and theirs["images"]
             assert _same_arrays(mine["videos"], theirs["videos"]) and bool(theirs["videos"]) == (media != "images")
-        # no sample made its prompt's media again; the rows carried URIs, not media
+        # no sample made its prompt's media again (the tool loop's prompt, rendered with its tool schema, is verl's
+        # one processor call per sample; its training inputs are the payload's); the rows carried URIs, not media
         counts = outcome["handoff_counts"]
-        assert counts["process_vision_info"] == 0 and counts["processor"] == 0, (case["case"], counts)
+        renders = prompts * n if agent == "tool_agent" else 0
+        assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (case["case"], counts)
         raw_prompt = outcome["last_raw_prompt"][0]
         items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
         assert items and all(parse_media_uri(item[item["type"]]) for item in items)

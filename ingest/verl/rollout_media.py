@@ -96,14 +96,27 @@ def fetch_payloads(store: str, keys: list[str]) -> list[dict]:
                     f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or "
                     "from another run): rows with media URIs are valid only while the loader that made them holds them"
                 )
+        refs = [entry[0][0] for entry in found]
         try:
-            encoded = ray.get([entry[0][0] for entry in found])
+            encoded = ray.get(refs)
         except (ObjectLostError, OwnerDiedError) as exc:
-            lost = [f"{entry[1]}: row {entry[2]}" for entry in found]
-            raise RuntimeError(f"prompt media lost from the object store ({exc}); rows: {', '.join(lost)}") from exc
+            lost = [f"{file}: row {row}" for ref, (_, file, row) in zip(refs, found, strict=True) if _is_lost(ref)]
+            raise RuntimeError(f"prompt media lost from the object store; rows: {', '.join(lost)} ({exc})") from exc
         for key, array in zip(missing, encoded, strict=True):
             payloads[key] = _CACHE.put(key, decode_payload(array))
     return [payloads[key] for key in keys]
+
+
+def _is_lost(ref: Any) -> bool:
+    """Whether the object ``ref`` can no longer be fetched (asked once a batch fetch failed: which rows to name)."""
+    import ray
+    from ray.exceptions import ObjectLostError, OwnerDiedError
+
+    try:
+        ray.get(ref)
+    except (ObjectLostError, OwnerDiedError):
+        return True
+    return False
 
 
 def prefetch(raw_prompts: Iterable[Any]) -> None:

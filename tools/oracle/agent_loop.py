@@ -61,8 +61,26 @@ class CallCounter:
         processor_class.__call__ = counted_call
 
 
-def trainer_config(model: str, n: int, prompt_length: int, handoff: bool):
-    """verl's own ``ppo_trainer`` config (its installed yaml) with the rollout settings this comparison needs."""
+# the tool loop's one tool: verl's plain ``BaseTool`` with a schema (it is never called: the server's fixed response
+# holds no tool call), so the prompt is rendered with a tool schema as a tool-using run's is
+TOOL_CONFIG = """tools:
+  - class_name: verl.tools.base_tool.BaseTool
+    config: {type: native}
+    tool_schema:
+      type: function
+      function:
+        name: measure_angle
+        description: Measure an angle of the figure in degrees.
+        parameters:
+          type: object
+          properties: {label: {type: string, description: "The angle's label, such as ABC."}}
+          required: [label]
+"""
+
+
+def trainer_config(model: str, n: int, prompt_length: int, handoff: bool, tool_config: str | None = None):
+    """verl's own ``ppo_trainer`` config (its installed yaml) with the rollout settings this comparison needs (and
+    ``tool_config``, a tool config file for the tool loop)."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -73,6 +91,8 @@ def trainer_config(model: str, n: int, prompt_length: int, handoff: bool):
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.name=vllm",
     ]
+    if tool_config is not None:
+        overrides.append(f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}")
     if handoff:
         overrides += ["+data.custom_cls.path=pkg://ingest.verl.dataset", "+data.custom_cls.name=IngestDataset"]
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
@@ -80,11 +100,15 @@ def trainer_config(model: str, n: int, prompt_length: int, handoff: bool):
         return compose(config_name="ppo_trainer", overrides=overrides)
 
 
-def repeated(batch: dict, n: int):
-    """A loader batch as verl's trainer hands it to the rollout: a ``DataProto``, each row ``n`` times in a row."""
+def repeated(batch: dict, n: int, agent: str | None = None):
+    """A loader batch as verl's trainer hands it to the rollout: a ``DataProto``, each row ``n`` times in a row (each
+    row's ``agent_name`` ``agent``, where given, as a dataset's ``agent_name`` column sets it)."""
     from verl.protocol import DataProto
 
-    proto = DataProto.from_single_dict(dict(batch), meta_info={"global_steps": 1, "validate": False})
+    batch = dict(batch)
+    if agent is not None:
+        batch["agent_name"] = np.array([agent] * len(batch["raw_prompt"]), dtype=object)
+    proto = DataProto.from_single_dict(batch, meta_info={"global_steps": 1, "validate": False})
     return proto.repeat(repeat_times=n, interleave=True)
 
 
@@ -159,8 +183,13 @@ def compare_on_loader_rows(spec: dict) -> dict:
 
     from ingest.verl import VerlDataLoader
 
-    model, n, size = spec["model"], spec["n"], spec["batch_size"]
+    model, n, size, agent = spec["model"], spec["n"], spec["batch_size"], spec.get("agent")
     data = {"shuffle": False, **spec["data"]}  # row_format among them
+    tool_config = None
+    if agent == "tool_agent":
+        tool_config = os.path.join(os.path.dirname(model), "tool_config.yaml")
+        with open(tool_config, "w") as f:
+            f.write(TOOL_CONFIG)
 
     def first_batches(config: dict) -> tuple[VerlDataLoader, list[dict]]:
         """The loader (it holds the store of its handed-off media: keep it) and its first batches."""
@@ -168,19 +197,20 @@ def compare_on_loader_rows(spec: dict) -> dict:
         return loader, [batch for _, batch in zip(range(spec["batches"]), loader, strict=False)]
 
     stock_server = FixedTokenServer()
-    stock = new_worker(AgentLoopWorker, trainer_config(model, n, spec["prompt_length"], False), stock_server)
+    stock_config = trainer_config(model, n, spec["prompt_length"], False, tool_config)
+    stock = new_worker(AgentLoopWorker, stock_config, stock_server)
     expected, stock_cpu = [], 0.0
     for batch in first_batches(data)[1]:
         started = time.process_time()
-        expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n)))))
+        expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n, agent)))))
         stock_cpu += time.process_time() - started
 
-    config = trainer_config(model, n, spec["prompt_length"], True)
+    config = trainer_config(model, n, spec["prompt_length"], True, tool_config)
     worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(config, FixedTokenServer())
     handed, requests, counts = [], [], []
     loader, batches = first_batches({**data, "media_handoff": True})
     for batch in batches:
-        out, seen, count = ray.get(worker.run.remote(repeated(batch, n)))
+        out, seen, count = ray.get(worker.run.remote(repeated(batch, n, agent)))
         handed.append(out)
         counts.append(count)
     requests = seen  # the worker's server keeps every request of the run
