@@ -94,15 +94,109 @@ def training_inputs(prompt_inputs: Mapping[str, Any]) -> dict:
     return inputs
 
 
-def encode_payload(payload: Mapping[str, Any]) -> np.ndarray:
-    """A payload as the object store carries it: its pickle as one uint8 array, which Ray moves without pickling it
-    again (the store puts it again, owned there, with one copy and no torch or PIL in its process)."""
-    return np.frombuffer(pickle.dumps(dict(payload), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+# The payload codec: plain data (dicts, lists, numbers, numpy arrays) that Ray moves without pickling the arrays, and
+# that the store holds without torch or PIL in its process. A tensor is ``{TENSOR: array}``, a PIL image
+# ``{IMAGE: array, "mode": mode}``, a tuple ``{TUPLE: [...]}``; anything else verl puts in a payload is pickled. The
+# kernels' ``pixel_values`` are ``{PATCHES: uint8 patches, "mean", "std", "frames"}``: an eighth of the float32
+# bytes, which the rollout turns into the processor's values to the bit (``normalize_patches_into``).
+TENSOR, IMAGE, TUPLE, PICKLED, PATCHES = "__tensor__", "__image__", "__tuple__", "__pickled__", "__patches__"
 
 
-def decode_payload(encoded: np.ndarray) -> dict:
-    """``encode_payload``'s inverse (the rollout's side)."""
-    return pickle.loads(memoryview(encoded))
+def encoded_tensor(array: np.ndarray) -> dict:
+    """A tensor's encoding, from its values."""
+    return {TENSOR: array}
+
+
+def encoded_patches(patches: np.ndarray, mean: Sequence[float], std: Sequence[float], frames: int) -> dict:
+    """``pixel_values`` encoded as their uint8 patches (n, C, P, P) and the normalize that makes them."""
+    return {PATCHES: patches, "mean": list(mean), "std": list(std), "frames": frames}
+
+
+def _pixel_values(value: Mapping[str, Any]) -> np.ndarray:
+    from ingest.media.pixels import normalize_patches_into
+
+    patches = value[PATCHES]
+    n, channels, p, _ = patches.shape
+    out = np.empty((n, channels, value["frames"], p * p), np.float32)
+    normalize_patches_into(patches, out, tuple(value["mean"]), tuple(value["std"]), value["frames"])
+    return out.reshape(n, -1)
+
+
+def encoded_image(image: Any) -> dict:
+    """A PIL image's encoding."""
+    return {IMAGE: np.asarray(image), "mode": image.mode}
+
+
+def encode_payload(payload: Mapping[str, Any]) -> dict:
+    """A payload of verl's objects (torch tensors, PIL images, tuples, containers) in the codec's plain form. A tensor
+    met twice (the prompt's and the training inputs' ``pixel_values``) is one array, stored once."""
+    seen: dict[int, dict] = {}
+
+    def encode(value: Any) -> Any:
+        if value is None or isinstance(value, (str, int, float, bool, np.ndarray, np.generic)):
+            return value
+        if isinstance(value, dict):
+            return {key: encode(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [encode(item) for item in value]
+        if isinstance(value, tuple):
+            return {TUPLE: [encode(item) for item in value]}
+        if id(value) in seen:
+            return seen[id(value)]
+        kind = type(value).__module__.split(".")[0]
+        if kind == "torch":
+            out = encoded_tensor(value.detach().cpu().numpy())
+        elif kind == "PIL":
+            out = encoded_image(value)
+        else:
+            out = {PICKLED: np.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)}
+        seen[id(value)] = out
+        return out
+
+    return encode(dict(payload))
+
+
+def decode_payload(encoded: Mapping[str, Any]) -> dict:
+    """``encode_payload``'s inverse (the rollout's side): tensors and images of their own (writable copies of the
+    object store's read-only arrays), one tensor for an array met twice."""
+    import torch
+    from PIL import Image
+
+    seen: dict[int, Any] = {}
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, list):
+            return [decode(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if TUPLE in value:
+            return tuple(decode(item) for item in value[TUPLE])
+        for tag in (TENSOR, IMAGE, PICKLED, PATCHES):
+            if tag in value:
+                array = value[tag]
+                if id(array) not in seen:
+                    if tag == TENSOR:
+                        seen[id(array)] = torch.from_numpy(np.array(array))
+                    elif tag == PATCHES:
+                        seen[id(array)] = torch.from_numpy(_pixel_values(value))
+                    elif tag == IMAGE:
+                        seen[id(array)] = Image.fromarray(array, value["mode"])
+                    else:
+                        seen[id(array)] = pickle.loads(memoryview(array))
+                return seen[id(array)]
+        return {key: decode(item) for key, item in value.items()}
+
+    return decode(encoded)
+
+
+def check_handoff_release() -> None:
+    """Refuses an installed verl 0.8 (its agent loop is neither 0.7's nor 0.9's), read from its metadata: the vision
+    actors import verl only for prompts the kernels do not make."""
+    from ingest.config import installed_verl_version
+
+    release = installed_verl_version()
+    if release is not None and release.startswith("0.8."):
+        raise ValueError(f"media_handoff: verl {release}'s agent loop is not supported (0.7.1, 0.9)")
 
 
 class PromptMediaMaker:
@@ -240,7 +334,7 @@ class MediaStore:
 
     async def adopt_many(self, entries: list[tuple[str, list, int, int]]) -> None:
         """``(key, [ref], file index, row)`` per prompt of one block (the ref in a list, so Ray hands it over
-        unresolved; the object an ``encode_payload`` array): once the window has room, each put again, owned here."""
+        unresolved; the object an ``encode_payload`` payload): once the window has room, each put again, owned here."""
         import asyncio
 
         import ray

@@ -5,6 +5,7 @@ server receives are equal, sample by sample, and the hand-off worker runs neithe
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import numpy as np
@@ -52,8 +53,6 @@ def test_media_items_become_uris_of_one_prompt():
 
 
 def test_each_sample_gets_its_own_media_lists_taken_for_the_payloads_only_while_unchanged():
-    import pickle
-
     first, second, tools_image = object(), object(), object()
     payload = {"images": [first, second], "videos": None, "audios": None}
     images, videos, _ = sample_media(payload)
@@ -67,26 +66,40 @@ def test_each_sample_gets_its_own_media_lists_taken_for_the_payloads_only_while_
     assert type(pickle.loads(pickle.dumps(other))) is list  # to the LLM server as a plain list
 
 
-def test_a_payload_travels_as_one_byte_array_and_comes_back_equal():
-    """The store moves payloads as plain byte arrays (one copy, no unpickling there); the rollout gets the same
-    tensors, dtypes and images back."""
+def test_a_payload_travels_as_plain_data_and_comes_back_equal():
+    """The store holds payloads as plain data (numpy arrays Ray moves without pickling them; no torch or PIL there);
+    the rollout gets the same tensors, dtypes, images and tuples back, a tensor met twice stored once."""
     from PIL import Image
 
     image = Image.new("RGB", (30, 20), (9, 80, 200))
+    pixel_values = torch.rand(4, 1176)
     payload = {
         "images": [image],
-        "videos": None,
+        "videos": [(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), {"fps": 2.0, "frames_indices": [0, 5]})],
         "prompt_ids": [1, 2, 3],
-        "training_inputs": {"pixel_values": torch.rand(4, 1176), "image_grid_thw": torch.tensor([[1, 2, 2]])},
+        "prompt_inputs": {"pixel_values": pixel_values},
+        "training_inputs": {"pixel_values": pixel_values, "image_grid_thw": torch.tensor([[1, 2, 2]])},
+        "other": range(3),  # anything else: pickled
     }
     encoded = encode_payload(payload)
-    assert encoded.dtype == np.uint8 and encoded.ndim == 1
-    back = decode_payload(encoded)
-    assert back["prompt_ids"] == [1, 2, 3] and back["videos"] is None
+
+    def leaves(value):
+        if isinstance(value, dict):
+            return [leaf for item in value.values() for leaf in leaves(item)]
+        return [leaf for item in value for leaf in leaves(item)] if isinstance(value, list) else [value]
+
+    assert all(leaf is None or isinstance(leaf, (str, int, float, np.ndarray)) for leaf in leaves(encoded))
+    stored = pickle.loads(pickle.dumps(encoded))  # as Ray moves it: the shared array once
+    assert stored["prompt_inputs"]["pixel_values"] is stored["training_inputs"]["pixel_values"]
+    back = decode_payload(stored)
+    assert back["prompt_ids"] == [1, 2, 3] and back["other"] == range(3)
     assert np.array_equal(np.asarray(back["images"][0]), np.asarray(image)) and back["images"][0].mode == "RGB"
+    frames, metadata = back["videos"][0]
+    assert torch.equal(frames, payload["videos"][0][0]) and metadata == payload["videos"][0][1]
     for name, tensor in payload["training_inputs"].items():
         returned = back["training_inputs"][name]
         assert returned.dtype == tensor.dtype and torch.equal(returned, tensor)
+    assert back["prompt_inputs"]["pixel_values"] is back["training_inputs"]["pixel_values"]
 
 
 def test_media_handoff_is_for_the_agent_loops_rows():

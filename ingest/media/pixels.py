@@ -283,29 +283,41 @@ def normalize_patches(patches, mean: tuple[float, ...], std: tuple[float, ...], 
     if patches.device.type == "cpu":
         # numpy's ufuncs on a ``PIXEL_VALUES`` buffer: the same IEEE float32 ops, on one thread. torch's CPU kernels
         # would fan out to its OpenMP pool, whose threads then spin-wait on the cores the pipeline's actors need (a
-        # third more CPU for the collate on 2 cores). A few hundred patches at a time through a cache-sized scratch,
-        # each normalized once and then copied into every frame: one pass over the output instead of three.
+        # third more CPU for the collate on 2 cores).
         out = torch.from_numpy(PIXEL_VALUES.take(4 * int(np.prod(shape)))).view(torch.float32).view(shape)
-        values, source = out.numpy(), patches.numpy().reshape(n, channels, p * p)
-        if _resize is not None:  # one pass in C through a per-channel table of the same float ops' results
-            lut = _normalize_table(tuple(mean), tuple(std))
-            _resize.normalize_patches(np.ascontiguousarray(source), values, lut, n, channels, t, p * p)
-            return out.view(n, channels * t * p * p)
-        mean_, std_ = (np.asarray(x, dtype=np.float32).reshape(1, channels, 1) for x in (mean, std))
-        step = max(1, _NORMALIZE_CHUNK // (channels * p * p))
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            scratch = _float_scratch((end - start) * channels * p * p).reshape(end - start, channels, p * p)
-            np.copyto(scratch, source[start:end], casting="unsafe")
-            np.subtract(scratch, mean_, out=scratch)
-            np.divide(scratch, std_, out=scratch)
-            np.copyto(values[start:end], scratch[:, :, None, :])
+        normalize_patches_into(patches.numpy(), out.numpy(), mean, std, t)
     else:
         out = torch.empty(shape, dtype=torch.float32, device=patches.device)
         out.copy_(patches.reshape(n, channels, 1, p * p).expand(n, channels, t, p * p))
         out.sub_(torch.tensor(mean, device=out.device).view(1, channels, 1, 1))
         out.div_(torch.tensor(std, device=out.device).view(1, channels, 1, 1))
     return out.view(n, channels * t * p * p)
+
+
+def normalize_patches_into(
+    patches: np.ndarray, out: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], temporal_patch_size: int
+) -> np.ndarray:
+    """``normalize_patches`` on the CPU without torch: uint8 patches (n, C, P, P) -> ``out``, float32 (n, C, T, P*P).
+    A few hundred patches at a time through a cache-sized scratch, each normalized once and then copied into every
+    frame: one pass over the output instead of three (in C through a per-channel table of the same float ops'
+    results where ``ingest.media._resize`` was built)."""
+    n, channels, p, _ = patches.shape
+    t = temporal_patch_size
+    source = patches.reshape(n, channels, p * p)
+    if _resize is not None:
+        lut = _normalize_table(tuple(mean), tuple(std))
+        _resize.normalize_patches(np.ascontiguousarray(source), out, lut, n, channels, t, p * p)
+        return out
+    mean_, std_ = (np.asarray(x, dtype=np.float32).reshape(1, channels, 1) for x in (mean, std))
+    step = max(1, _NORMALIZE_CHUNK // (channels * p * p))
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        scratch = _float_scratch((end - start) * channels * p * p).reshape(end - start, channels, p * p)
+        np.copyto(scratch, source[start:end], casting="unsafe")
+        np.subtract(scratch, mean_, out=scratch)
+        np.divide(scratch, std_, out=scratch)
+        np.copyto(out[start:end], scratch[:, :, None, :])
+    return out
 
 
 @lru_cache(maxsize=16)

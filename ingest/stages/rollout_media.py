@@ -43,15 +43,30 @@ class RolloutMediaStage:
     """Decoded verl 0.9 rows -> the same rows with media URIs, each prompt's payload in the object store."""
 
     def __init__(self, processor_path: str, config: DataConfig, context: StageContext):
-        from ingest.rollout_media import PromptMediaMaker
+        from ingest.rollout_media import check_handoff_release
+        from ingest.rollout_media_kernels import KernelMediaMaker
 
         if context.media_store is None:
             raise ValueError("media_handoff: the run has no media store (made by the loader that reads these rows)")
-        self.maker = PromptMediaMaker(processor_path, verl_data_section(config))
+        check_handoff_release()
+        self.processor_path, self.data = processor_path, verl_data_section(config)
+        self.kernels = KernelMediaMaker.for_model(processor_path, self.data)
+        self._verl_maker = None  # PromptMediaMaker, loaded for the first prompt the kernels do not make
         self.store_name = context.media_store
         self.files, self.on_bad_row = list(context.files), config.on_bad_row
         self.keep_provenance = context.keep_provenance
         self._store = None
+
+    def payload(self, messages: list[dict]) -> dict:
+        """A media prompt's payload (``encode_payload``'s form): the kernels' where they make it, else verl's."""
+        from ingest.rollout_media import PromptMediaMaker, encode_payload
+
+        payload = self.kernels.make(messages) if self.kernels is not None else None
+        if payload is None:
+            if self._verl_maker is None:
+                self._verl_maker = PromptMediaMaker(self.processor_path, self.data)
+            payload = encode_payload({**self._verl_maker.make(messages), "made_by": "verl"})
+        return payload
 
     @property
     def store(self):
@@ -66,7 +81,7 @@ class RolloutMediaStage:
     def process(self, table: pa.Table) -> StageResult:
         import ray
 
-        from ingest.rollout_media import encode_payload, handle_items
+        from ingest.rollout_media import handle_items, media_items
 
         bad = BadRows(self.files, table, "raw_prompt")
         rows = filled_raw_prompt(table)
@@ -74,15 +89,15 @@ class RolloutMediaStage:
         keys: list[str | None] = [None] * len(rows)
         files, file_rows = table.column(FILE_COLUMN).to_pylist(), table.column(ROW_COLUMN).to_pylist()
         for i, messages in enumerate(rows):
+            if not media_items(messages):
+                continue  # a text prompt: nothing to hand off
             try:
-                payload = self.maker.make(messages)
+                payload = self.payload(messages)
             except Exception as exc:
                 bad.add(i, f"the rollout's media could not be made: {type(exc).__name__}: {exc}")
                 continue
-            if payload["images"] is None and payload["videos"] is None:
-                continue  # a text prompt: nothing to hand off
             keys[i] = uuid.uuid4().hex
-            held.append((keys[i], [ray.put(encode_payload(payload))], files[i], file_rows[i]))
+            held.append((keys[i], [ray.put(payload)], files[i], file_rows[i]))
             handle_items(messages, self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows

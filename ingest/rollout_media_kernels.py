@@ -1,0 +1,118 @@
+"""A prompt's hand-off payload (``ingest.rollout_media``) made with the pipeline's own kernels, with no verl,
+transformers or torch in the process: image prompts of Qwen-VL models whose image processor options the kernels
+implement (``ImagePixels.supports``) and no ``mm_processor_kwargs``. ``KernelMediaMaker.make`` returns None for any
+other prompt (videos, audio, an item's own pixel options), which the stage then makes with verl's functions
+(``PromptMediaMaker``).
+
+The steps are verl's agent loop's, each done as the code it stands for does it (the agent-loop oracle tests compare
+the result with verl's own, key by key and bit by bit):
+- qwen-vl-utils' ``fetch_image``: RGB (RGBA composited on white), its ``smart_resize`` size (``fetch_image_size``),
+  PIL's resize;
+- the prompt ids: the processor's chat template rendered (``ChatTokenizer``), encoded, each image pad repeated to its
+  grid's tokens; ``attention_mask`` ones and ``mm_token_type_ids`` 1 at the image pads (the processor's);
+- ``pixel_values`` / ``image_grid_thw``: ``ImagePixels`` (torch's uint8 resize, the processor's patch order), carried
+  as uint8 patches that the rollout normalizes as the processor does (``encoded_patches``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ingest.media.geometry import fetch_image_size, grid_tokens
+from ingest.media.pixels import ImagePixels
+from ingest.rollout_media import encoded_image, encoded_patches, encoded_tensor, media_items
+from ingest.tokenizer.chat import ChatTokenizer
+
+# the model types whose processors these kernels stand for (verl 0.9's Qwen VL continuous-token builder, verl 0.7's
+# processor path), proven by the oracle tests
+KERNEL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+IMAGE_PAD = "<|image_pad|>"
+_PLAIN_IMAGE_ITEM = frozenset({"type", "image"})  # an item with other keys (min_pixels, ...) goes to verl's functions
+
+
+def _model_type(model_path: str) -> str | None:
+    config = Path(model_path) / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+
+
+def fetched_image(image: Any, patch_size: int):
+    """qwen-vl-utils' ``fetch_image`` of a PIL image: its ``to_rgb``, then its resize to ``fetch_image_size``."""
+    from PIL import Image
+
+    if image.mode == "RGBA":
+        rgb = Image.new("RGB", image.size, (255, 255, 255))
+        rgb.paste(image, mask=image.split()[3])
+    else:
+        rgb = image.convert("RGB")
+    return rgb.resize(fetch_image_size(*rgb.size, patch_size))
+
+
+class KernelMediaMaker:
+    """``PromptMediaMaker``'s payload for image prompts, made with the pipeline's kernels (``for_model`` says where
+    they serve)."""
+
+    def __init__(self, model_path: str, pixels: ImagePixels, template_kwargs: Mapping[str, Any]):
+        self.pixels = pixels
+        self.tokenizer = ChatTokenizer(model_path)
+        self.template_kwargs = dict(template_kwargs)
+        self.image_pad_id = self.tokenizer.token_id(IMAGE_PAD)
+
+    @classmethod
+    def for_model(cls, model_path: str, data: Mapping[str, Any]) -> KernelMediaMaker | None:
+        """The maker for the model folder ``model_path`` and verl's ``data`` section, None where the kernels do not
+        stand for its processor."""
+        if _model_type(model_path) not in KERNEL_MODEL_TYPES or data.get("mm_processor_kwargs"):
+            return None
+        pixels = ImagePixels.from_dir(model_path)
+        return None if pixels is None else cls(model_path, pixels, data.get("apply_chat_template_kwargs") or {})
+
+    def make(self, messages: list[dict]) -> dict | None:
+        """One prompt's payload in ``encode_payload``'s form (``made_by`` "kernels"), None where the prompt is not
+        plain images (PIL images in items of no other keys)."""
+        from PIL import Image
+
+        items = media_items(messages)
+        if not items or not all(
+            item.get("type") == "image" and set(item) == _PLAIN_IMAGE_ITEM and isinstance(item["image"], Image.Image)
+            for item in items
+        ):
+            return None
+        spec = self.pixels.spec
+        images = [fetched_image(item["image"], spec.patch_size) for item in items]
+        ids = self.tokenizer.encode_batch([self.tokenizer.render(messages, **self.template_kwargs)])[0]
+        if ids.count(self.image_pad_id) != len(images):
+            return None  # the processor's own error names the mismatch
+        patches, grids = self.pixels.patches([np.asarray(image) for image in images])
+        pending = iter(grids.tolist())
+        expanded: list[int] = []
+        for token in ids:
+            expanded.extend([token] * grid_tokens(next(pending), spec) if token == self.image_pad_id else (token,))
+        input_ids = np.asarray(expanded, np.int64)[None]
+        mm_token_type_ids = encoded_tensor((input_ids == self.image_pad_id).astype(np.int64))
+        # the patches leave the kernels' reused buffer
+        pixel_values = encoded_patches(np.array(patches), *self.pixels.norm, spec.temporal_patch_size)
+        image_grid_thw = encoded_tensor(np.ascontiguousarray(grids, np.int64))
+        return {
+            "images": [encoded_image(image) for image in images],
+            "videos": None,
+            "audios": None,
+            "prompt_ids": expanded,
+            "prompt_inputs": {
+                "attention_mask": encoded_tensor(np.ones_like(input_ids)),
+                "mm_token_type_ids": mm_token_type_ids,
+                "pixel_values": pixel_values,
+                "image_grid_thw": image_grid_thw,
+            },
+            "training_inputs": {  # rollout_media.training_inputs of the above
+                "mm_token_type_ids": mm_token_type_ids,
+                "pixel_values": pixel_values,
+                "image_grid_thw": image_grid_thw,
+                "images_seqlens": encoded_tensor(np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])),
+            },
+            "made_by": "kernels",
+        }
