@@ -122,9 +122,9 @@ def _pixel_values(value: Mapping[str, Any]) -> np.ndarray:
     return out.reshape(n, -1)
 
 
-def encoded_image(image: Any) -> dict:
-    """A PIL image's encoding."""
-    return {IMAGE: np.asarray(image), "mode": image.mode}
+def encoded_image(image: Any, pixels: np.ndarray | None = None) -> dict:
+    """A PIL image's encoding (``pixels``: its ``np.asarray``, where made already)."""
+    return {IMAGE: np.asarray(image) if pixels is None else pixels, "mode": image.mode}
 
 
 def encode_payload(payload: Mapping[str, Any]) -> dict:
@@ -332,9 +332,10 @@ class MediaStore:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def adopt_many(self, entries: list[tuple[str, list, int, int]]) -> None:
-        """``(key, [ref], file index, row)`` per prompt of one block (the ref in a list, so Ray hands it over
-        unresolved; the object an ``encode_payload`` payload): once the window has room, each put again, owned here."""
+    async def adopt_many(self, entries: list[tuple[str, int, int]], payloads: list) -> None:
+        """``(key, file index, row)`` per prompt of one block, and ``[ref]`` of the block's payloads (a list of
+        ``encode_payload`` payloads in the entries' order, put once by the vision actor; the ref in a list, so Ray hands
+        it over unresolved): once the window has room, each payload put again, owned here."""
         import asyncio
 
         import ray
@@ -345,9 +346,8 @@ class MediaStore:
             self._changed = asyncio.Condition()
         async with self._changed:
             await self._changed.wait_for(lambda: self._may_adopt(len(entries)))
-            self._ahead.update(key for key, _, _, _ in entries)
-        payloads = await asyncio.gather(*(refs[0] for _, refs, _, _ in entries))
-        for (key, _, file, row), payload in zip(entries, payloads, strict=True):
+            self._ahead.update(key for key, _, _ in entries)
+        for (key, file, row), payload in zip(entries, await payloads[0], strict=True):
             self._entries[key] = (ray.put(payload), file, row)
         self._peaks = {
             "held": max(self._peaks["held"], len(self._entries)),

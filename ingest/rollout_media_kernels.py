@@ -47,8 +47,8 @@ def fetched_image(image: Any, patch_size: int):
     if image.mode == "RGBA":
         rgb = Image.new("RGB", image.size, (255, 255, 255))
         rgb.paste(image, mask=image.split()[3])
-    else:
-        rgb = image.convert("RGB")
+    else:  # an RGB image as it is: its convert would be a copy of the same pixels
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
     return rgb.resize(fetch_image_size(*rgb.size, patch_size))
 
 
@@ -87,7 +87,8 @@ class KernelMediaMaker:
         ids = self.tokenizer.encode_batch([self.tokenizer.render(messages, **self.template_kwargs)])[0]
         if ids.count(self.image_pad_id) != len(images):
             return None  # the processor's own error names the mismatch
-        patches, grids = self.pixels.patches([np.asarray(image) for image in images])
+        pixels = [np.asarray(image) for image in images]
+        patches, grids = self.pixels.patches(pixels)
         pending = iter(grids.tolist())
         expanded: list[int] = []
         for token in ids:
@@ -98,7 +99,7 @@ class KernelMediaMaker:
         pixel_values = encoded_patches(np.array(patches), *self.pixels.norm, spec.temporal_patch_size)
         image_grid_thw = encoded_tensor(np.ascontiguousarray(grids, np.int64))
         return {
-            "images": [encoded_image(image) for image in images],
+            "images": [encoded_image(image, array) for image, array in zip(images, pixels, strict=True)],
             "videos": None,
             "audios": None,
             "prompt_ids": expanded,

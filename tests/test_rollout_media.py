@@ -114,8 +114,8 @@ def _adopt(store, keys: list[str], first_row: int = 0):
     """A block with one prompt per key: the store's reply (ready once adopted)."""
     import ray
 
-    entries = [(k, [ray.put(encode_payload({"key": k}))], 0, first_row + i) for i, k in enumerate(keys)]
-    return store.adopt_many.remote(entries)
+    entries = [(k, 0, first_row + i) for i, k in enumerate(keys)]
+    return store.adopt_many.remote(entries, [ray.put([encode_payload({"key": k}) for k in keys])])
 
 
 def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_session):
@@ -329,6 +329,9 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
         counts = outcome["handoff_counts"]
         renders = prompts * n if agent == "tool_agent" else 0
         assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (case["case"], counts)
+        # image prompts: made by the pipeline's kernels; with videos: by verl's functions in the vision actors
+        maker = "kernels" if media == "images" else "verl"
+        assert counts["made_by"][maker] > 0 and sum(counts["made_by"].values()) == counts["made_by"][maker], counts
         raw_prompt = outcome["last_raw_prompt"][0]
         items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
         assert items and all(parse_media_uri(item[item["type"]]) for item in items)

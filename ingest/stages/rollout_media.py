@@ -1,12 +1,14 @@
 """The vision stage of verl 0.7 / 0.9 rows with ``media_handoff``: each prompt's media made once for the rollout.
 
 verl's agent loop makes a prompt's media again for every sample (``ingest/rollout_media.py`` says what and where).
-Here the vision actors make them once per prompt with verl's own functions (``PromptMediaMaker``) and hand each
-prompt's payload to the read's ``MediaStore`` actor (which outlives this actor and owns what it holds) under a fresh
-key, with the prompt's file and row; the row's media items become that payload's URIs, the key goes in a column of
-its own (the loader tells the store which rows it took) and the decoded images leave the block. The store may make
-this actor wait (it bounds the media made ahead of the loader). A prompt verl cannot make (its processor or
-qwen-vl-utils raises) is a bad row, quarantined or raised with file, row and reason, as in the other stages.
+Here the vision actors make them once per prompt: image prompts with the pipeline's kernels
+(``ingest.rollout_media_kernels``), the rest with verl's own functions (``PromptMediaMaker``, loaded on first need).
+Each prompt's payload goes to the read's ``MediaStore`` actor (which outlives this actor and owns what it holds)
+under a fresh key, with the prompt's file and row. The row's media items become that payload's URIs, the key goes in
+a column of its own (the loader tells the store which rows it took) and the decoded images leave the block. The store
+may make this actor wait (it bounds the media made ahead of the loader). A prompt that cannot be made (the kernels',
+the processor's or qwen-vl-utils' error) is a bad row, quarantined or raised with file, row and reason, as in the
+other stages.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class RolloutMediaStage:
 
         bad = BadRows(self.files, table, "raw_prompt")
         rows = filled_raw_prompt(table)
-        held: list[tuple[str, list, int, int]] = []
+        held: list[tuple[str, int, int]] = []
+        payloads: list[dict] = []
         keys: list[str | None] = [None] * len(rows)
         files, file_rows = table.column(FILE_COLUMN).to_pylist(), table.column(ROW_COLUMN).to_pylist()
         for i, messages in enumerate(rows):
@@ -97,11 +100,12 @@ class RolloutMediaStage:
                 bad.add(i, f"the rollout's media could not be made: {type(exc).__name__}: {exc}")
                 continue
             keys[i] = uuid.uuid4().hex
-            held.append((keys[i], [ray.put(payload)], files[i], file_rows[i]))
+            held.append((keys[i], files[i], file_rows[i]))
+            payloads.append(payload)
             handle_items(messages, self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows
-            ray.get(self.store.adopt_many.remote(held))
+            ray.get(self.store.adopt_many.remote(held, [ray.put(payloads)]))  # one put per block: each costs ~1 ms
         kept = bad.kept()
         # the decode stage left the rows to this one to count (media_handoff): rows out and their prompt tokens
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()

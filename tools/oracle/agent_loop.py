@@ -139,6 +139,7 @@ def new_worker(cls: type, config, server: FixedTokenServer):
 
 
 def _handoff_worker_class():
+    from ingest.verl import rollout_media
     from ingest.verl.agent_loop import IngestAgentLoopWorker
 
     class HandoffWorker(IngestAgentLoopWorker):
@@ -157,7 +158,10 @@ def _handoff_worker_class():
             started = time.process_time()
             out = await self.generate_sequences(batch)
             cpu = time.process_time() - started
-            return plain(out), self.server.requests, {**self.counter.counts, "cpu_s": cpu}
+            # which maker made the payloads this worker fetched (the kernels or verl's functions)
+            made_by = [payload["made_by"] for payload in rollout_media._CACHE.payloads.values()]
+            made = {maker: made_by.count(maker) for maker in ("kernels", "verl")}
+            return plain(out), self.server.requests, {**self.counter.counts, "cpu_s": cpu, "made_by": made}
 
     return HandoffWorker
 
