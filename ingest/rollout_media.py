@@ -298,6 +298,11 @@ class PromptMediaMaker:
         return prompt_ids
 
 
+# payloads per object the store puts: each ray.put costs ~1 ms however small, and a rollout worker fetching a prompt's
+# payload gets its object's others with it (a worker's samples are a run of the batch's prompts)
+PAYLOADS_PER_OBJECT = 8
+
+
 class MediaStore:
     """Holds one read's payloads in the object store until its loader releases them: an async actor, named
     (``NAMESPACE``), on the loader's node. It puts each payload itself (``adopt_many``), so that it owns it: an object
@@ -313,7 +318,8 @@ class MediaStore:
     def __init__(self, files: Sequence[str], ahead: int):
         self._files = list(files)
         self._ahead_limit = ahead
-        self._entries: dict[str, tuple[Any, int, int]] = {}  # key -> (payload ref, file index, row)
+        # key -> (ref of its object's payloads, its index there, file index, row): an object goes with its last entry
+        self._entries: dict[str, tuple[Any, int, int, int]] = {}
         self._ahead: set[str] = set()  # made, not yet taken by the loader
         self._blocks_taken = 0
         self._loader_waits_after = -1  # the loader waits for the block after this many (-1: not waiting)
@@ -335,7 +341,7 @@ class MediaStore:
     async def adopt_many(self, entries: list[tuple[str, int, int]], payloads: list) -> None:
         """``(key, file index, row)`` per prompt of one block, and ``[ref]`` of the block's payloads (a list of
         ``encode_payload`` payloads in the entries' order, put once by the vision actor; the ref in a list, so Ray hands
-        it over unresolved): once the window has room, each payload put again, owned here."""
+        it over unresolved): once the window has room, put again, owned here, ``PAYLOADS_PER_OBJECT`` to an object."""
         import asyncio
 
         import ray
@@ -347,8 +353,11 @@ class MediaStore:
         async with self._changed:
             await self._changed.wait_for(lambda: self._may_adopt(len(entries)))
             self._ahead.update(key for key, _, _ in entries)
-        for (key, file, row), payload in zip(entries, await payloads[0], strict=True):
-            self._entries[key] = (ray.put(payload), file, row)
+        made = await payloads[0]
+        for start in range(0, len(entries), PAYLOADS_PER_OBJECT):
+            ref = ray.put(made[start : start + PAYLOADS_PER_OBJECT])
+            for index, (key, file, row) in enumerate(entries[start : start + PAYLOADS_PER_OBJECT]):
+                self._entries[key] = (ref, index, file, row)
         self._peaks = {
             "held": max(self._peaks["held"], len(self._entries)),
             "ahead": max(self._peaks["ahead"], len(self._ahead)),
@@ -365,14 +374,15 @@ class MediaStore:
         self._blocks_taken += 1
         await self._notify()
 
-    async def lookup(self, key: str) -> tuple[list, str, int] | None:
-        """``([ref], file, row)``: the ref in a list, so Ray hands it over unresolved."""
+    async def lookup(self, key: str) -> tuple[list, int, str, int] | None:
+        """``([ref], index, file, row)``: the prompt's payload is item ``index`` of the object ``ref`` (a list of
+        payloads; the ref in a list, so Ray hands it over unresolved)."""
         return (await self.lookup_many([key]))[0]
 
-    async def lookup_many(self, keys: list[str]) -> list[tuple[list, str, int] | None]:
+    async def lookup_many(self, keys: list[str]) -> list[tuple[list, int, str, int] | None]:
         """``lookup`` of each key, in one call."""
         found = [self._entries.get(key) for key in keys]
-        return [None if entry is None else ([entry[0]], self._files[entry[1]], entry[2]) for entry in found]
+        return [None if e is None else ([e[0]], e[1], self._files[e[2]], e[3]) for e in found]
 
     async def release(self, keys: list[str]) -> None:
         for key in keys:
@@ -510,7 +520,7 @@ class HeldMedia:
         self._settled()
         return ray.get(self.store.stats.remote())
 
-    def lookup(self, key: str) -> tuple[list, str, int] | None:
+    def lookup(self, key: str) -> tuple[list, int, str, int] | None:
         """The current read's ``MediaStore.lookup`` once the calls made so far are done."""
         import ray
 

@@ -132,7 +132,7 @@ def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_sess
         batches.append(key)
         assert held.stats()["held"] == min(step + 1, HELD_BATCHES)
     assert fetch_payload(held.name, batches[-1]) == {"key": batches[-1]}
-    (_, file, row) = held.lookup(batches[-1])
+    (_, _, file, row) = held.lookup(batches[-1])
     assert (file, row) == ("f.parquet", 10 * (HELD_BATCHES + 1))
     with pytest.raises(LookupError, match="no such prompt media"):
         fetch_payload(held.name, batches[0])
@@ -165,11 +165,12 @@ def test_a_payload_lost_from_the_object_store_names_its_file_and_row_alone(ray_s
     from ingest.rollout_media import NAMESPACE
 
     owner = ray.remote(_PayloadOwner).options(num_cpus=0).remote()
-    (lost,) = ray.get(owner.put.remote(encode_payload({"key": "lost-b"})))
+    (lost,) = ray.get(owner.put.remote([encode_payload({"key": "lost-b"})]))
+    kept = ray.put([encode_payload({"key": "lost-a"}), encode_payload({"key": "lost-c"})])  # one object, two prompts
     entries = {
-        "lost-a": ([ray.put(encode_payload({"key": "lost-a"}))], "f.parquet", 5),
-        "lost-b": ([lost], "f.parquet", 6),
-        "lost-c": ([ray.put(encode_payload({"key": "lost-c"}))], "g.parquet", 7),
+        "lost-a": ([kept], 0, "f.parquet", 5),
+        "lost-b": ([lost], 0, "f.parquet", 6),
+        "lost-c": ([kept], 1, "g.parquet", 7),
     }
     name = "ingest-media-lost-test"
     store = ray.remote(_FixedStore).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(entries)

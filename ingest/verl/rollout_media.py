@@ -96,14 +96,14 @@ def fetch_payloads(store: str, keys: list[str]) -> list[dict]:
                     f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or "
                     "from another run): rows with media URIs are valid only while the loader that made them holds them"
                 )
-        refs = [entry[0][0] for entry in found]
+        refs = list(dict.fromkeys(entry[0][0] for entry in found))  # a store object holds several prompts' payloads
         try:
-            encoded = ray.get(refs)
+            objects = dict(zip(refs, ray.get(refs), strict=True))
         except (ObjectLostError, OwnerDiedError) as exc:
-            lost = [f"{file}: row {row}" for ref, (_, file, row) in zip(refs, found, strict=True) if _is_lost(ref)]
+            lost = [f"{file}: row {row}" for (ref,), _, file, row in found if _is_lost(ref)]
             raise RuntimeError(f"prompt media lost from the object store; rows: {', '.join(lost)} ({exc})") from exc
-        for key, array in zip(missing, encoded, strict=True):
-            payloads[key] = _CACHE.put(key, decode_payload(array))
+        for key, ((ref,), index, _, _) in zip(missing, found, strict=True):
+            payloads[key] = _CACHE.put(key, decode_payload(objects[ref][index]))
     return [payloads[key] for key in keys]
 
 

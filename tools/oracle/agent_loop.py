@@ -239,7 +239,7 @@ def _batch_keys(batch: dict) -> list[str]:
 
 
 def _held(loader, key: str):
-    """What the loader's store holds under ``key`` (``([ref], file, row)``), None where it holds nothing."""
+    """What the loader's store holds under ``key`` (``([ref], index, file, row)``), None where it holds nothing."""
     return loader.held_media.lookup(key)
 
 
@@ -263,8 +263,8 @@ def lifetime(spec: dict) -> dict:
 
         found = []
         for key in keys:
-            (ref,), _, _ = _held(held_loader, key)
-            payload = decode_payload(ray.get(ref))
+            (ref,), index, _, _ = _held(held_loader, key)
+            payload = decode_payload(ray.get(ref)[index])
             found.append(
                 {"prompt_ids": payload["prompt_ids"], "pixel_values": payload["training_inputs"]["pixel_values"]}
             )
