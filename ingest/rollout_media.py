@@ -98,7 +98,9 @@ def training_inputs(prompt_inputs: Mapping[str, Any]) -> dict:
 # that the store holds without torch or PIL in its process. A tensor is ``{TENSOR: array}``, a PIL image
 # ``{IMAGE: array, "mode": mode}``, a tuple ``{TUPLE: [...]}``; anything else verl puts in a payload is pickled. The
 # kernels' ``pixel_values`` are ``{PATCHES: uint8 patches, "mean", "std", "frames"}``: an eighth of the float32
-# bytes, which the rollout turns into the processor's values to the bit (``normalize_patches_into``).
+# bytes, which the rollout turns into the processor's values to the bit (``normalize_patches_into``); where the
+# processor keeps each image's size, the patches are the payload's images cut up (``encoded_image_patches``), and
+# the payload carries those pixels once.
 TENSOR, IMAGE, TUPLE, PICKLED, PATCHES = "__tensor__", "__image__", "__tuple__", "__pickled__", "__patches__"
 
 
@@ -107,15 +109,34 @@ def encoded_tensor(array: np.ndarray) -> dict:
     return {TENSOR: array}
 
 
-def encoded_patches(patches: np.ndarray, mean: Sequence[float], std: Sequence[float], frames: int) -> dict:
+def encoded_patches(patches: np.ndarray | None, mean: Sequence[float], std: Sequence[float], frames: int) -> dict:
     """``pixel_values`` encoded as their uint8 patches (n, C, P, P) and the normalize that makes them."""
     return {PATCHES: patches, "mean": list(mean), "std": list(std), "frames": frames}
 
 
+def encoded_image_patches(
+    images: list[dict], grids: np.ndarray, patch_size: int, merge_size: int, mean, std, frames: int
+) -> dict:
+    """``pixel_values`` encoded as the patches of the payload's ``images`` (their encodings), each of its
+    grid's size: the processor cuts them up without resizing them."""
+    return {
+        PATCHES: None,
+        "images": images,
+        "grids": grids,
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        **{k: v for k, v in encoded_patches(None, mean, std, frames).items() if k != PATCHES},
+    }
+
+
 def _pixel_values(value: Mapping[str, Any]) -> np.ndarray:
-    from ingest.media.pixels import normalize_patches_into
+    from ingest.media.pixels import image_patches, normalize_patches_into
 
     patches = value[PATCHES]
+    if patches is None:  # the images' own pixels, in the processor's patch order
+        arrays = [image[IMAGE] for image in value["images"]]
+        patches = image_patches(arrays, value["grids"], value["patch_size"], value["merge_size"])
+        patches = patches if isinstance(patches, np.ndarray) else patches.numpy()  # torch where _resize is not built
     n, channels, p, _ = patches.shape
     out = np.empty((n, channels, value["frames"], p * p), np.float32)
     normalize_patches_into(patches, out, tuple(value["mean"]), tuple(value["std"]), value["frames"])
@@ -158,7 +179,7 @@ def encode_payload(payload: Mapping[str, Any]) -> dict:
 
 def decode_payload(encoded: Mapping[str, Any]) -> dict:
     """``encode_payload``'s inverse (the rollout's side): tensors and images of their own (writable copies of the
-    object store's read-only arrays), one tensor for an array met twice."""
+    object store's read-only arrays), one tensor or image for an encoding met twice."""
     import torch
     from PIL import Image
 
@@ -173,17 +194,17 @@ def decode_payload(encoded: Mapping[str, Any]) -> dict:
             return tuple(decode(item) for item in value[TUPLE])
         for tag in (TENSOR, IMAGE, PICKLED, PATCHES):
             if tag in value:
-                array = value[tag]
-                if id(array) not in seen:
+                if id(value) not in seen:  # the encoding met twice is one object once unpickled
+                    array = value[tag]
                     if tag == TENSOR:
-                        seen[id(array)] = torch.from_numpy(np.array(array))
+                        seen[id(value)] = torch.from_numpy(np.array(array))
                     elif tag == PATCHES:
-                        seen[id(array)] = torch.from_numpy(_pixel_values(value))
+                        seen[id(value)] = torch.from_numpy(_pixel_values(value))
                     elif tag == IMAGE:
-                        seen[id(array)] = Image.fromarray(array, value["mode"])
+                        seen[id(value)] = Image.fromarray(array, value["mode"])
                     else:
-                        seen[id(array)] = pickle.loads(memoryview(array))
-                return seen[id(array)]
+                        seen[id(value)] = pickle.loads(memoryview(array))
+                return seen[id(value)]
         return {key: decode(item) for key, item in value.items()}
 
     return decode(encoded)

@@ -25,7 +25,13 @@ import numpy as np
 
 from ingest.media.geometry import fetch_image_size, grid_tokens
 from ingest.media.pixels import ImagePixels
-from ingest.rollout_media import encoded_image, encoded_patches, encoded_tensor, media_items
+from ingest.rollout_media import (
+    encoded_image,
+    encoded_image_patches,
+    encoded_patches,
+    encoded_tensor,
+    media_items,
+)
 from ingest.tokenizer.chat import ChatTokenizer
 
 # the model types whose processors these kernels stand for (verl 0.9's Qwen VL continuous-token builder, verl 0.7's
@@ -95,11 +101,17 @@ class KernelMediaMaker:
             expanded.extend([token] * grid_tokens(next(pending), spec) if token == self.image_pad_id else (token,))
         input_ids = np.asarray(expanded, np.int64)[None]
         mm_token_type_ids = encoded_tensor((input_ids == self.image_pad_id).astype(np.int64))
-        # the patches leave the kernels' reused buffer
-        pixel_values = encoded_patches(np.array(patches), *self.pixels.norm, spec.temporal_patch_size)
+        encoded_images = [encoded_image(image, array) for image, array in zip(images, pixels, strict=True)]
+        norm = (*self.pixels.norm, spec.temporal_patch_size)
+        sizes = [(gh * spec.patch_size, gw * spec.patch_size) for _, gh, gw in grids.tolist()]
+        if all(a.shape[:2] == size for a, size in zip(pixels, sizes, strict=True)):
+            # the processor keeps each image's size: its patches are the image's pixels, carried once
+            pixel_values = encoded_image_patches(encoded_images, grids, spec.patch_size, spec.merge_size, *norm)
+        else:  # the processor resized them: their patches (out of the kernels' reused buffer)
+            pixel_values = encoded_patches(np.array(patches), *norm)
         image_grid_thw = encoded_tensor(np.ascontiguousarray(grids, np.int64))
         return {
-            "images": [encoded_image(image, array) for image, array in zip(images, pixels, strict=True)],
+            "images": encoded_images,
             "videos": None,
             "audios": None,
             "prompt_ids": expanded,

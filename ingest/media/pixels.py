@@ -113,32 +113,45 @@ class ImagePixels:
         (``ingest.media.triton_resize``: the uint8 kernel's bytes, exactly), for CUDA devices (on the CPU only under
         ``TRITON_INTERPRET=1``)."""
         spec = self.spec
-        p, m = spec.patch_size, spec.merge_size
         shapes = [im.shape[:2] if isinstance(im, np.ndarray) else im.shape[1:] for im in images]  # (H, W)
         grids = np.array([image_grid(w, h, spec) for h, w in shapes], dtype=np.int64).reshape(-1, 3)
-        counts = grids.prod(axis=1)
-        shape = (int(counts.sum()), 3, p, p)
-        if kernel == "triton":
-            return _triton_patches(images, device, grids, shape, p, m), grids
-        if _resize is not None and device == "cpu" and native_uint8 is not False:
-            if all(isinstance(im, np.ndarray) for im in images):
-                return _compiled_patches(images, grids, shape, p, m), grids
-        import torch
+        patches = image_patches(images, grids, spec.patch_size, spec.merge_size, device, native_uint8, kernel)
+        return patches, grids
 
-        if torch.device(device).type == "cpu":  # the block's patches: the last block's buffer once Ray has stored it
-            out = torch.from_numpy(PATCHES.take(int(np.prod(shape)))).view(shape)
-        else:  # host_array copies them back into such a buffer
-            out = torch.empty(shape, dtype=torch.uint8, device=device)
-        start = 0
-        for pixels, (_, gh, gw), count in zip(
-            device_images(images, device), grids.tolist(), counts.tolist(), strict=True
-        ):
-            resized = resize_bicubic(pixels[None], gh * p, gw * p, native_uint8)
-            # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P), the processor's patch order
-            source = resized.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-            out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
-            start += count
-        return out, grids
+
+def image_patches(
+    images: list,
+    grids: np.ndarray,
+    patch_size: int,
+    merge_size: int,
+    device: str = "cpu",
+    native_uint8: bool | None = None,
+    kernel: str = "torch",
+):
+    """``ImagePixels.patches`` for given ``image_grid_thw``: each image resized to its grid's size (where it is not
+    that size already) and cut into patches in the processor's order."""
+    p, m = patch_size, merge_size
+    counts = grids.prod(axis=1)
+    shape = (int(counts.sum()), 3, p, p)
+    if kernel == "triton":
+        return _triton_patches(images, device, grids, shape, p, m)
+    if _resize is not None and device == "cpu" and native_uint8 is not False:
+        if all(isinstance(im, np.ndarray) for im in images):
+            return _compiled_patches(images, grids, shape, p, m)
+    import torch
+
+    if torch.device(device).type == "cpu":  # the block's patches: the last block's buffer once Ray has stored it
+        out = torch.from_numpy(PATCHES.take(int(np.prod(shape)))).view(shape)
+    else:  # host_array copies them back into such a buffer
+        out = torch.empty(shape, dtype=torch.uint8, device=device)
+    start = 0
+    for pixels, (_, gh, gw), count in zip(device_images(images, device), grids.tolist(), counts.tolist(), strict=True):
+        resized = resize_bicubic(pixels[None], gh * p, gw * p, native_uint8)
+        # (C, gh/m, m, P, gw/m, m, P) -> (gh/m, gw/m, m, m, C, P, P), the processor's patch order
+        source = resized.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        out[start : start + count].view(gh // m, gw // m, m, m, 3, p, p).copy_(source)
+        start += count
+    return out
 
 
 def _triton_patches(images: list, device: str, grids: np.ndarray, shape: tuple, p: int, m: int):
