@@ -281,6 +281,7 @@ def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("verl-0.9-agent-loop")
     specs = {
         "compare": {"check": "compare", "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir)},
+        "payloads": _payloads_spec(root / "payloads", geo3k_files, model_dir),
         "lifetime": _lifetime_spec(root / "lifetime", model_dir),
         "bound": _bound_spec(root / "bound", model_dir),
     }
@@ -361,6 +362,45 @@ def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
     assert use_handoff_manager(off) is None and "agent_loop_manager_class" not in off.actor_rollout_ref.rollout.agent
     with pytest.raises(ValueError, match="agent_loop_manager_class is my.Manager"):
         use_handoff_manager(config(True, False, "my.Manager"))
+
+
+def _payloads_spec(root, geo3k_files: list, model_dir: str) -> dict:
+    """``payloads``' spec: Qwen2-VL (as saved, and with a pixel budget its processor resizes the fetched images to),
+    Qwen2.5-VL and Qwen3-VL model folders."""
+    import json
+    import shutil
+
+    from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir
+
+    qwen2 = rollout_model_dir(root / "qwen2-vl", model_dir)
+    resizing = root / "qwen2-vl-256-tokens"
+    shutil.copytree(qwen2, resizing)
+    size = {"longest_edge": 256 * 28 * 28, "shortest_edge": 56 * 56}
+    for name, section in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        if (resizing / name).is_file():
+            saved = json.loads((resizing / name).read_text())
+            (saved[section] if section else saved)["size"] = size
+            (resizing / name).write_text(json.dumps(saved))
+    models = [
+        qwen2,
+        str(resizing),
+        rollout_model_dir(root / "qwen2.5-vl", qwen25_vl_model_dir(root / "qwen2.5-vl-processor"), "qwen2.5-vl"),
+        rollout_model_dir(root / "qwen3-vl", qwen3_vl_model_dir(root / "qwen3-vl-processor"), "qwen3-vl"),
+    ]
+    return {"check": "payloads", "files": [str(f) for f in geo3k_files], "models": models}
+
+
+@slow
+def test_the_kernels_make_verls_payloads(verl09_checks):
+    """Every geo3k prompt our loader hands verl (every image kind), through verl 0.9.1's own media functions and
+    through the pipeline's kernels (no verl, transformers or torch): the same images, prompt ids, processor outputs
+    and training inputs, key by key and bit by bit, for Qwen2-VL (its fetched images kept, and resized by a smaller
+    pixel budget), Qwen2.5-VL and Qwen3-VL; a prompt verl refuses, the kernels refuse too."""
+    result = verl09_checks["results"]["payloads"]
+    assert result["prompts"] >= 40
+    for model, counts in result["models"].items():
+        assert counts["differences"] == [], model
+        assert counts["left_to_verl"] == 0 and counts["equal"] + counts["refused"] == result["prompts"], counts
 
 
 def _lifetime_spec(root, model_dir: str) -> dict:

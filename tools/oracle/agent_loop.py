@@ -574,7 +574,83 @@ def bench_side(spec: dict) -> dict:
     return result
 
 
+def _difference(ours: Any, theirs: Any, path: str = "") -> str | None:
+    """Where two payloads (``decode_payload``'s form) differ, None where every key, dtype, shape and value is equal."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    if isinstance(theirs, torch.Tensor):
+        same = isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        return None if same and torch.equal(ours, theirs) else f"{path}: {ours!r:.80} != {theirs!r:.80}"
+    if isinstance(theirs, Image.Image):
+        same = isinstance(ours, Image.Image) and (ours.mode, ours.size) == (theirs.mode, theirs.size)
+        return None if same and np.array_equal(np.asarray(ours), np.asarray(theirs)) else f"{path}: image differs"
+    if isinstance(theirs, dict):
+        if not isinstance(ours, dict) or list(ours) != list(theirs):
+            return f"{path}: keys {list(ours) if isinstance(ours, dict) else ours!r:.80} != {list(theirs)}"
+        found = (_difference(ours[k], theirs[k], f"{path}.{k}") for k in theirs)
+        return next((d for d in found if d), None)
+    if isinstance(theirs, (list, tuple)):
+        if type(ours) is not type(theirs) or len(ours) != len(theirs):
+            return f"{path}: {ours!r:.80} != {theirs!r:.80}"
+        found = (_difference(a, b, f"{path}[{i}]") for i, (a, b) in enumerate(zip(ours, theirs, strict=True)))
+        return next((d for d in found if d), None)
+    return None if ours == theirs else f"{path}: {ours!r:.80} != {theirs!r:.80}"
+
+
+def payloads(spec: dict) -> dict:
+    """The kernels' payloads (``KernelMediaMaker``) against verl's functions' (``PromptMediaMaker``) for the prompts
+    our loader hands verl (``spec["files"]``, verl-0.9 rows: PIL images in the items), for each of
+    ``spec["models"]``: per model, the prompts both made equal, those the kernels left to verl, those verl refused
+    (the kernels must refuse them too) and any difference."""
+    import ray
+
+    from ingest.config import DataConfig
+    from ingest.rollout_media import PromptMediaMaker, decode_payload, encode_payload
+    from ingest.rollout_media_kernels import KernelMediaMaker
+    from ingest.stages.rollout_media import verl_data_section
+    from ingest.verl import VerlDataLoader
+
+    config = {"shuffle": False, "row_format": "verl-0.9", "max_prompt_length": 8192}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    loader = VerlDataLoader(spec["files"], spec["models"][0], config, 16, spec["models"][0], drop_last=False)
+    prompts = [list(messages) for batch in loader for messages in batch["raw_prompt"]]
+    ray.shutdown()
+    data = verl_data_section(DataConfig(**config))
+    results = {}
+    for model in spec["models"]:
+        kernels, verl = KernelMediaMaker.for_model(model, data), PromptMediaMaker(model, data)
+        counts = {"equal": 0, "left_to_verl": 0, "refused": 0, "differences": []}
+        for i, messages in enumerate(prompts):
+            try:
+                theirs = decode_payload(encode_payload(verl.make(messages)))
+            except Exception:
+                theirs = None
+            try:
+                made = kernels.make(messages)
+            except Exception:
+                made = "refused"
+            if made is None:
+                counts["left_to_verl"] += 1
+            elif theirs is None and made == "refused":
+                counts["refused"] += 1
+            elif theirs is None:
+                counts["differences"].append(f"prompt {i}: verl refused it, the kernels made it")
+            elif made == "refused":
+                counts["differences"].append(f"prompt {i}: the kernels refused it, verl made it")
+            else:
+                ours = decode_payload(made)
+                assert ours.pop("made_by") == "kernels"
+                difference = _difference(ours, theirs)
+                counts["equal"] += difference is None
+                counts["differences"] += [f"prompt {i}{difference}"] if difference else []
+        results[model] = counts
+    return {"prompts": len(prompts), "models": results}
+
+
 CHECKS = {
+    "payloads": payloads,
     "lifetime": lifetime,
     "bound": bound,
     **dict.fromkeys(("bench_stock", "bench_handoff", "bench_rows"), bench_side),
