@@ -98,9 +98,7 @@ def training_inputs(prompt_inputs: Mapping[str, Any]) -> dict:
 # that the store holds without torch or PIL in its process. A tensor is ``{TENSOR: array}``, a PIL image
 # ``{IMAGE: array, "mode": mode}``, a tuple ``{TUPLE: [...]}``; anything else verl puts in a payload is pickled. The
 # kernels' ``pixel_values`` are ``{PATCHES: uint8 patches, "mean", "std", "frames"}``: an eighth of the float32
-# bytes, which the rollout turns into the processor's values to the bit (``normalize_patches_into``); where the
-# processor keeps each image's size, the patches are the payload's images cut up (``encoded_image_patches``), and
-# the payload carries those pixels once.
+# bytes, which the rollout turns into the processor's values to the bit (``normalize_patches_into``).
 TENSOR, IMAGE, TUPLE, PICKLED, PATCHES = "__tensor__", "__image__", "__tuple__", "__pickled__", "__patches__"
 
 
@@ -109,38 +107,22 @@ def encoded_tensor(array: np.ndarray) -> dict:
     return {TENSOR: array}
 
 
-def encoded_patches(patches: np.ndarray | None, mean: Sequence[float], std: Sequence[float], frames: int) -> dict:
+def encoded_patches(patches: np.ndarray, mean: Sequence[float], std: Sequence[float], frames: int) -> dict:
     """``pixel_values`` encoded as their uint8 patches (n, C, P, P) and the normalize that makes them."""
     return {PATCHES: patches, "mean": list(mean), "std": list(std), "frames": frames}
 
 
-def encoded_image_patches(
-    images: list[dict], grids: np.ndarray, patch_size: int, merge_size: int, mean, std, frames: int
-) -> dict:
-    """``pixel_values`` encoded as the patches of the payload's ``images`` (their encodings), each of its
-    grid's size: the processor cuts them up without resizing them."""
-    return {
-        PATCHES: None,
-        "images": images,
-        "grids": grids,
-        "patch_size": patch_size,
-        "merge_size": merge_size,
-        **{k: v for k, v in encoded_patches(None, mean, std, frames).items() if k != PATCHES},
-    }
+def _pixel_values(value: Mapping[str, Any]):
+    """``encoded_patches``' tensor."""
+    import torch
 
-
-def _pixel_values(value: Mapping[str, Any]) -> np.ndarray:
-    from ingest.media.pixels import image_patches, normalize_patches_into
+    from ingest.media.pixels import normalize_patches_into
 
     patches = value[PATCHES]
-    if patches is None:  # the images' own pixels, in the processor's patch order
-        arrays = [image[IMAGE] for image in value["images"]]
-        patches = image_patches(arrays, value["grids"], value["patch_size"], value["merge_size"])
-        patches = patches if isinstance(patches, np.ndarray) else patches.numpy()  # torch where _resize is not built
     n, channels, p, _ = patches.shape
     out = np.empty((n, channels, value["frames"], p * p), np.float32)
     normalize_patches_into(patches, out, tuple(value["mean"]), tuple(value["std"]), value["frames"])
-    return out.reshape(n, -1)
+    return torch.from_numpy(out.reshape(n, -1))
 
 
 def encoded_image(image: Any, pixels: np.ndarray | None = None) -> dict:
@@ -199,7 +181,7 @@ def decode_payload(encoded: Mapping[str, Any]) -> dict:
                     if tag == TENSOR:
                         seen[id(value)] = torch.from_numpy(np.array(array))
                     elif tag == PATCHES:
-                        seen[id(value)] = torch.from_numpy(_pixel_values(value))
+                        seen[id(value)] = _pixel_values(value)
                     elif tag == IMAGE:
                         seen[id(value)] = Image.fromarray(array, value["mode"])
                     else:

@@ -12,6 +12,8 @@ the result with verl's own, key by key and bit by bit):
   grid's tokens; ``attention_mask`` ones and ``mm_token_type_ids`` 1 at the image pads (the processor's);
 - ``pixel_values`` / ``image_grid_thw``: ``ImagePixels`` (torch's uint8 resize, the processor's patch order), carried
   as uint8 patches that the rollout normalizes as the processor does (``encoded_patches``).
+
+A block's prompts are rendered one by one and encoded in one call (``make_many``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,7 @@ import numpy as np
 
 from ingest.media.geometry import fetch_image_size, grid_tokens
 from ingest.media.pixels import ImagePixels
-from ingest.rollout_media import (
-    encoded_image,
-    encoded_image_patches,
-    encoded_patches,
-    encoded_tensor,
-    media_items,
-)
+from ingest.rollout_media import encoded_image, encoded_patches, encoded_tensor, media_items
 from ingest.tokenizer.chat import ChatTokenizer
 
 # the model types whose processors these kernels stand for (verl 0.9's Qwen VL continuous-token builder, verl 0.7's
@@ -80,17 +76,42 @@ class KernelMediaMaker:
     def make(self, messages: list[dict]) -> dict | None:
         """One prompt's payload in ``encode_payload``'s form (``made_by`` "kernels"), None where the prompt is not
         plain images (PIL images in items of no other keys)."""
+        made = self.make_many([messages])[0]
+        if isinstance(made, Exception):
+            raise made
+        return made
+
+    def make_many(self, prompts: list[list[dict]]) -> list[dict | Exception | None]:
+        """``make`` of each prompt (its error where it raised), their texts encoded in one call."""
         from PIL import Image
 
-        items = media_items(messages)
-        if not items or not all(
-            item.get("type") == "image" and set(item) == _PLAIN_IMAGE_ITEM and isinstance(item["image"], Image.Image)
-            for item in items
-        ):
-            return None
+        def plain_images(messages: list[dict]) -> bool:
+            items = media_items(messages)
+            return bool(items) and all(
+                item.get("type") == "image"
+                and set(item) == _PLAIN_IMAGE_ITEM
+                and isinstance(item["image"], Image.Image)
+                for item in items
+            )
+
+        out: list[dict | Exception | None] = [None] * len(prompts)
+        texts: dict[int, str] = {}
+        for i, messages in enumerate(prompts):
+            if plain_images(messages):
+                try:
+                    texts[i] = self.tokenizer.render(messages, **self.template_kwargs)
+                except Exception as exc:
+                    out[i] = exc
+        for i, ids in zip(texts, self.tokenizer.encode_batch(list(texts.values())), strict=True):
+            try:
+                out[i] = self._payload(prompts[i], ids)
+            except Exception as exc:
+                out[i] = exc
+        return out
+
+    def _payload(self, messages: list[dict], ids: list[int]) -> dict | None:
         spec = self.pixels.spec
-        images = [fetched_image(item["image"], spec.patch_size) for item in items]
-        ids = self.tokenizer.encode_batch([self.tokenizer.render(messages, **self.template_kwargs)])[0]
+        images = [fetched_image(item["image"], spec.patch_size) for item in media_items(messages)]
         if ids.count(self.image_pad_id) != len(images):
             return None  # the processor's own error names the mismatch
         pixels = [np.asarray(image) for image in images]
@@ -101,17 +122,11 @@ class KernelMediaMaker:
             expanded.extend([token] * grid_tokens(next(pending), spec) if token == self.image_pad_id else (token,))
         input_ids = np.asarray(expanded, np.int64)[None]
         mm_token_type_ids = encoded_tensor((input_ids == self.image_pad_id).astype(np.int64))
-        encoded_images = [encoded_image(image, array) for image, array in zip(images, pixels, strict=True)]
-        norm = (*self.pixels.norm, spec.temporal_patch_size)
-        sizes = [(gh * spec.patch_size, gw * spec.patch_size) for _, gh, gw in grids.tolist()]
-        if all(a.shape[:2] == size for a, size in zip(pixels, sizes, strict=True)):
-            # the processor keeps each image's size: its patches are the image's pixels, carried once
-            pixel_values = encoded_image_patches(encoded_images, grids, spec.patch_size, spec.merge_size, *norm)
-        else:  # the processor resized them: their patches (out of the kernels' reused buffer)
-            pixel_values = encoded_patches(np.array(patches), *norm)
+        # the patches leave the kernels' reused buffer
+        pixel_values = encoded_patches(np.array(patches), *self.pixels.norm, spec.temporal_patch_size)
         image_grid_thw = encoded_tensor(np.ascontiguousarray(grids, np.int64))
         return {
-            "images": encoded_images,
+            "images": [encoded_image(image, array) for image, array in zip(images, pixels, strict=True)],
             "videos": None,
             "audios": None,
             "prompt_ids": expanded,

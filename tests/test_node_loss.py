@@ -129,7 +129,7 @@ def _run_spec(files: list[str], model: str, out, **extra) -> dict:
 def losses(model_dir, text_with_bad_rows, tmp_path_factory) -> dict:
     """Every case on one cluster with a CPU-less head (the driver's), in one subprocess."""
     from ingest.demo import write_gsm8k_parquet
-    from tools.samples import write_geo3k_parquet
+    from tools.samples import rollout_model_dir, write_geo3k_parquet
 
     root = tmp_path_factory.mktemp("node-loss")
     text = write_gsm8k_parquet(root / "text", 1200, num_files=3, row_group_size=20)
@@ -174,6 +174,15 @@ def losses(model_dir, text_with_bad_rows, tmp_path_factory) -> dict:
             "after": 8,
             "state_at": 12,
         },
+        {
+            "name": "handoff",
+            "mode": "handoff",
+            "files": images,
+            "model": rollout_model_dir(root / "rollout-model", model_dir),
+            "config": {**image_config, "row_format": "verl-0.9"},
+            "batch_size": 8,
+            "after": 2,
+        },
         # a ledger on a worker stays
         _run_spec(text_with_bad_rows, model_dir, root / "out-run", name="run", ledger="spare"),
     ]
@@ -198,6 +207,14 @@ def test_text_rows_exactly_once_in_order_after_losing_two_of_three_workers(losse
 @slow
 def test_image_rows_through_decode_and_vision_pools_survive_node_loss(losses):
     _same_rows_after_loss(_case(losses, "images"), 96)  # pixel values, grids and position ids included
+
+
+@slow
+def test_handed_off_media_survive_losing_the_vision_nodes(losses):
+    """``media_handoff``: the vision actors' nodes go while their payloads are held and a batch is out; the store (on
+    the loader's node) owns its copies, so every row and the payload its URIs resolve to equal the reference pass's,
+    none lost or twice."""
+    _same_rows_after_loss(_case(losses, "handoff"), 96)
 
 
 @slow

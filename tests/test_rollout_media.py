@@ -18,6 +18,7 @@ from ingest.rollout_media import (
     HeldMedia,
     decode_payload,
     encode_payload,
+    encoded_patches,
     handle_items,
     media_uri,
     parse_media_uri,
@@ -100,6 +101,14 @@ def test_a_payload_travels_as_plain_data_and_comes_back_equal():
         returned = back["training_inputs"][name]
         assert returned.dtype == tensor.dtype and torch.equal(returned, tensor)
     assert back["prompt_inputs"]["pixel_values"] is back["training_inputs"]["pixel_values"]
+    # the kernels' pixel_values: uint8 patches, normalized at the rollout as the processor normalizes
+    patches = np.random.default_rng(0).integers(0, 256, (6, 3, 14, 14), dtype=np.uint8)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    encoded = pickle.loads(pickle.dumps({"pixel_values": encoded_patches(patches, mean, std, 2)}))
+    values = decode_payload(encoded)["pixel_values"]
+    expected = torch.from_numpy(patches).float().repeat_interleave(2, 0).view(6, 2, 3, 196).transpose(1, 2)
+    expected = (expected - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert values.dtype == torch.float32 and torch.equal(values, expected.reshape(6, -1))
 
 
 def test_media_handoff_is_for_the_agent_loops_rows():

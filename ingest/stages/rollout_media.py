@@ -59,16 +59,21 @@ class RolloutMediaStage:
         self.keep_provenance = context.keep_provenance
         self._store = None
 
-    def payload(self, messages: list[dict]) -> dict:
-        """A media prompt's payload (``encode_payload``'s form): the kernels' where they make it, else verl's."""
+    def payloads(self, prompts: list[list[dict]]) -> list[dict | Exception]:
+        """Media prompts' payloads (``encode_payload``'s form), or each one's error: the kernels' where they make
+        them, else verl's."""
         from ingest.rollout_media import PromptMediaMaker, encode_payload
 
-        payload = self.kernels.make(messages) if self.kernels is not None else None
-        if payload is None:
-            if self._verl_maker is None:
-                self._verl_maker = PromptMediaMaker(self.processor_path, self.data)
-            payload = encode_payload({**self._verl_maker.make(messages), "made_by": "verl"})
-        return payload
+        made = self.kernels.make_many(prompts) if self.kernels is not None else [None] * len(prompts)
+        for i, payload in enumerate(made):
+            if payload is None:
+                try:
+                    if self._verl_maker is None:
+                        self._verl_maker = PromptMediaMaker(self.processor_path, self.data)
+                    made[i] = encode_payload({**self._verl_maker.make(prompts[i]), "made_by": "verl"})
+                except Exception as exc:
+                    made[i] = exc
+        return made
 
     @property
     def store(self):
@@ -91,18 +96,15 @@ class RolloutMediaStage:
         payloads: list[dict] = []
         keys: list[str | None] = [None] * len(rows)
         files, file_rows = table.column(FILE_COLUMN).to_pylist(), table.column(ROW_COLUMN).to_pylist()
-        for i, messages in enumerate(rows):
-            if not media_items(messages):
-                continue  # a text prompt: nothing to hand off
-            try:
-                payload = self.payload(messages)
-            except Exception as exc:
-                bad.add(i, f"the rollout's media could not be made: {type(exc).__name__}: {exc}")
+        media_rows = [i for i, messages in enumerate(rows) if media_items(messages)]  # text prompts: none to make
+        for i, payload in zip(media_rows, self.payloads([rows[i] for i in media_rows]), strict=True):
+            if isinstance(payload, Exception):
+                bad.add(i, f"the rollout's media could not be made: {type(payload).__name__}: {payload}")
                 continue
             keys[i] = uuid.uuid4().hex
             held.append((keys[i], files[i], file_rows[i]))
             payloads.append(payload)
-            handle_items(messages, self.store_name, keys[i])
+            handle_items(rows[i], self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows
             ray.get(self.store.adopt_many.remote(held, [ray.put(payloads)]))  # one put per block: each costs ~1 ms

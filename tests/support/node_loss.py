@@ -4,7 +4,8 @@ Run as a script (``python -m tests.support.node_loss SPEC_JSON``): the test sess
 driver joins one cluster per process. It prints one ``RESULT {...}`` line: per-row digests of a reference pass on
 the whole cluster and of the pass that lost nodes, and what the loss hit. The spec's ``mode`` picks the consumer:
 ``build_dataset`` + ``iter_torch_batches`` (default), ``run`` (``run_pipeline``), ``refs`` (``iter_batch_refs`` to
-rollout actors) or ``state`` (``PromptStream`` state taken after the loss, resumed in a new stream).
+rollout actors), ``state`` (``PromptStream`` state taken after the loss, resumed in a new stream) or ``handoff``
+(``VerlDataLoader`` with ``media_handoff``, each row's payload resolved).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def run_case(cluster: Cluster, case: dict, references: dict[str, tuple[dict, flo
     """One case: its reference pass on the whole cluster (or the one an earlier case made under the same
     ``reference_key``), then the pass that loses nodes."""
     result: dict[str, Any] = {"driver_node": ray.get_runtime_context().get_node_id()}
-    modes = {"run": run_with_loss, "refs": refs_with_loss, "state": state_with_loss}
+    modes = {"run": run_with_loss, "refs": refs_with_loss, "state": state_with_loss, "handoff": handoff_with_loss}
     run = modes.get(case.get("mode"), stream_with_loss)
     if case.get("reference", True):
         key = case.get("reference_key") or case["name"]
@@ -289,6 +290,35 @@ def refs_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
             out.append({"error": type(exc).__name__, "message": str(exc)[:2000]})
     attempts = {task: n for task, n in producer_attempts().items() if task not in earlier}
     return {"calls": out, "producer_attempts": sorted(attempts.values()), **report}
+
+
+def handoff_with_loss(spec: dict, loss: NodeLoss | None) -> dict:
+    """``VerlDataLoader`` with ``media_handoff`` (its media store on the driver's node, which never goes; the vision
+    work on the workers): (index, digest) of every row in order, the row with its media URIs (fresh keys each pass)
+    replaced by the payload each resolves to, fetched as a rollout worker fetches it while the batch is held. With a
+    loss: two workers go once ``after`` batches are out, so payloads made by actors on them are held (and one batch
+    handed out) when their nodes go."""
+    from ingest.rollout_media import media_items, prompt_media_key
+    from ingest.verl import VerlDataLoader
+    from ingest.verl.rollout_media import fetch_payloads
+
+    config = {**spec["config"], "media_handoff": True}
+    loader = VerlDataLoader(spec["files"], spec["model"], config, spec.get("batch_size", 8), spec["model"])
+    out: list[list] = []
+    for n, batch in enumerate(loader, 1):
+        found = [prompt_media_key(messages) for messages in batch["raw_prompt"]]
+        keys = [key for key in found if key is not None]
+        payloads = dict(zip(keys, fetch_payloads(keys[0][0], [k for _, k in keys]), strict=True)) if keys else {}
+        for i in range(len(batch["index"])):
+            messages = batch["raw_prompt"][i]
+            for item in media_items(messages):
+                item[item["type"]] = "handed off"
+            payload = {k: v for k, v in payloads[found[i]].items() if k != "made_by"} if found[i] else None
+            row = {**{k: v[i] for k, v in batch.items() if k != "raw_prompt"}, "raw_prompt": messages}
+            out.append([int(batch["index"][i]), digest({**{k: [v] for k, v in row.items()}, "payload": [payload]}, 0)])
+        if loss is not None:
+            loss(n)
+    return {"rows": out}
 
 
 def producer_attempts() -> dict[str, int]:
