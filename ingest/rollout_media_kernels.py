@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.media.geometry import fetch_image_size, grid_tokens
+from ingest.media.geometry import IMAGE_PAD, fetch_image_size, grid_tokens
 from ingest.media.pixels import ImagePixels
 from ingest.rollout_media import encoded_image, encoded_patches, encoded_tensor, media_items
 from ingest.tokenizer.chat import ChatTokenizer
@@ -33,7 +33,6 @@ from ingest.tokenizer.chat import ChatTokenizer
 # the model types whose processors these kernels stand for (verl 0.9's Qwen VL continuous-token builder, verl 0.7's
 # processor path), proven by the oracle tests
 KERNEL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-IMAGE_PAD = "<|image_pad|>"
 _PLAIN_IMAGE_ITEM = frozenset({"type", "image"})  # an item with other keys (min_pixels, ...) goes to verl's functions
 
 
