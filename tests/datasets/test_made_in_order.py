@@ -35,7 +35,12 @@ def test_each_thread_builds_its_own_worker_once():
 
     def new_worker():
         built.append(threading.current_thread().name)
-        return lambda item: [item]
+
+        def work(item: int) -> list[int]:
+            time.sleep(0.005)  # each item takes a while: the second thread gets items even on a loaded machine
+            return [item]
+
+        return work
 
     assert list(made_in_order(new_worker, range(20), 2, "made")) == list(range(20))
     assert len(built) == len(set(built)) == 2
