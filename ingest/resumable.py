@@ -138,7 +138,7 @@ class ResumableBatches:
             ensure_ray()
             if self._held_media is None:
                 self._held_media = HeldMedia(self.config.media_handoff_ahead or self.batch_size)
-            media_store = self._held_media.begin(plan.context().files)
+            media_store = self._held_media.begin(plan.context().files, units)
         ds = build_dataset(
             plan.files,
             self.tokenizer,
@@ -159,7 +159,8 @@ class ResumableBatches:
                 block = next(blocks, None)
             if block is None:
                 return
-            self._held_media.delivered(block.column(MEDIA_KEY_COLUMN).to_pylist())
+            last = None if block.num_rows == 0 else (block[FILE_COLUMN][-1].as_py(), block[ROW_COLUMN][-1].as_py())
+            self._held_media.delivered(block.column(MEDIA_KEY_COLUMN).to_pylist(), last)
             yield block
 
     @property

@@ -314,12 +314,17 @@ class MediaStore:
 
     The rows carry only URIs, so Ray Data's backpressure (block bytes) never holds the media back: the store does.
     Prompts made but not yet taken by the loader (``delivered``) are at most ``ahead`` (or one block); beyond that
-    ``adopt_many`` waits, which holds the vision actor that calls it. It stops waiting when the loader has waited
-    ``LOADER_WAIT_S`` for a block (``loader_waiting``): the block the loader needs may sit behind the held one (Ray
-    Data merges an actor task's outputs, and keeps the blocks in order)."""
+    ``adopt_many`` waits, which holds the vision actor that calls it. When the loader has waited ``LOADER_WAIT_S`` for
+    a block (``loader_waiting``), the blocks of the units up to the one it waits for pass: the block the loader needs
+    may sit behind the held one (Ray Data merges an actor task's outputs, and keeps the blocks in order), and the
+    others stay within the window."""
 
-    def __init__(self, files: Sequence[str], ahead: int):
+    def __init__(self, files: Sequence[str], ahead: int, units: Sequence | None = None):
+        from ingest.read.units import UnitIndex
+
         self._files = list(files)
+        self._unit_of = UnitIndex(list(units)) if units else None  # (file, row) -> the read's unit order
+        self._waited_unit = -1  # while the loader waits: the last unit whose blocks may pass the window
         self._ahead_limit = ahead
         # key -> (ref of its object's payloads, its index there, file index, row): an object goes with its last entry
         self._entries: dict[str, tuple[Any, int, int, int]] = {}
@@ -329,11 +334,11 @@ class MediaStore:
         self._peaks = {"held": 0, "ahead": 0}
         self._changed = None  # an asyncio.Condition, made in the actor's event loop
 
-    def _may_adopt(self, prompts: int) -> bool:
+    def _may_adopt(self, prompts: int, unit: int) -> bool:
         return (
             not self._ahead
             or len(self._ahead) + prompts <= self._ahead_limit
-            or self._loader_waits_after == self._blocks_taken
+            or (self._loader_waits_after == self._blocks_taken and unit <= self._waited_unit)
         )
 
     async def _notify(self) -> None:
@@ -354,7 +359,8 @@ class MediaStore:
         if self._changed is None:
             self._changed = asyncio.Condition()
         async with self._changed:
-            await self._changed.wait_for(lambda: self._may_adopt(len(entries)))
+            unit = -1 if self._unit_of is None else min(self._unit_of(file, row) for _, file, row in entries)
+            await self._changed.wait_for(lambda: self._may_adopt(len(entries), unit))
             self._ahead.update(key for key, _, _ in entries)
         made = await payloads[0]
         for start in range(0, len(entries), PAYLOADS_PER_OBJECT):
@@ -366,9 +372,10 @@ class MediaStore:
             "ahead": max(self._peaks["ahead"], len(self._ahead)),
         }
 
-    async def loader_waiting(self, blocks_taken: int) -> None:
-        """The loader, having taken ``blocks_taken`` blocks, has waited ``LOADER_WAIT_S`` for the next one."""
-        self._loader_waits_after = blocks_taken
+    async def loader_waiting(self, blocks_taken: int, unit: int) -> None:
+        """The loader, having taken ``blocks_taken`` blocks, has waited ``LOADER_WAIT_S`` (or a multiple) for the next
+        one: blocks of units up to ``unit`` in read order may pass the window (the one it waits for is among them)."""
+        self._loader_waits_after, self._waited_unit = blocks_taken, unit
         await self._notify()
 
     async def delivered(self, keys: list[str]) -> None:
@@ -429,13 +436,15 @@ class HeldMedia:
         self._taken: dict[str, None] = {}  # keys the loader took, not yet handed out, in order
         self._calls: list = []  # replies of the stores' calls not yet known done (an async actor's run in any order)
 
-    def begin(self, files: Sequence[str]) -> str:
-        """A new read of ``files``: its store's name. The rows of the previous read that were taken but never handed
-        out (a read stopped part way) are released with its store."""
+    def begin(self, files: Sequence[str], units: Sequence | None = None) -> str:
+        """A new read of ``files`` (``units``: its read units in order): its store's name. The rows of the previous
+        read that were taken but never handed out (a read stopped part way) are released with its store."""
         import uuid
 
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ingest.read.units import UnitIndex
 
         previous = self.store
         self.name = f"ingest-media-{uuid.uuid4().hex[:16]}"
@@ -443,7 +452,9 @@ class HeldMedia:
         store = ray.remote(MediaStore).options(
             name=self.name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here
         )
-        self.store = store.remote(list(files), self.ahead)
+        self.store = store.remote(list(files), self.ahead, list(units) if units else None)
+        self._unit_of = UnitIndex(list(units)) if units else None
+        self._last_unit = -1  # the read order of the unit of the last row taken
         self._blocks_taken = 0
         if previous is not None and self._taken:
             self._call(previous.release, list(self._taken))
@@ -453,17 +464,28 @@ class HeldMedia:
 
     @contextlib.contextmanager
     def waiting_for_block(self) -> Iterator[None]:
-        """Around the loader's wait for its next block: past ``LOADER_WAIT_S`` the store is told."""
-        timer = threading.Timer(LOADER_WAIT_S, self.store.loader_waiting.remote, (self._blocks_taken,))
-        timer.daemon = True
-        timer.start()
+        """Around the loader's wait for its next block: past ``LOADER_WAIT_S`` the store is told which units' blocks may
+        pass the window: the next one's (the block waited for is its, or the rest of the last unit's), and one more
+        each further ``LOADER_WAIT_S`` (a unit whose rows were all filtered out has no block)."""
+        done, store, taken, last = threading.Event(), self.store, self._blocks_taken, self._last_unit
+
+        def tell() -> None:
+            more = 1
+            while not done.wait(LOADER_WAIT_S):
+                store.loader_waiting.remote(taken, last + more)
+                more += 1
+
+        threading.Thread(target=tell, name="ingest-media-wait", daemon=True).start()
         try:
             yield
         finally:
-            timer.cancel()
+            done.set()
 
-    def delivered(self, keys: Iterable[str]) -> None:
-        """The loader took a block with these prompts' rows (in order; None: a text row)."""
+    def delivered(self, keys: Iterable[str], last_row: tuple[int, int] | None = None) -> None:
+        """The loader took a block with these prompts' rows (in order; None: a text row; ``last_row``: the block's
+        last (file index, row), where it has rows)."""
+        if last_row is not None and self._unit_of is not None:
+            self._last_unit = max(self._last_unit, self._unit_of(*last_row))
         keys = [key for key in keys if key is not None]
         self._taken.update(dict.fromkeys(keys))
         self._blocks_taken += 1
