@@ -308,7 +308,7 @@ PAYLOADS_PER_OBJECT = 8
 
 class MediaStore:
     """Holds one read's payloads in the object store until its loader releases them: an async actor, named
-    (``NAMESPACE``), on the loader's node. It puts each payload itself (``adopt_many``), so that it owns it: an object
+    (``NAMESPACE``), on the loader's node. It puts the payloads itself (``adopt_many``), so that it owns them: an object
     lives as long as its owner, and the vision actor that made it goes when its pool does, while the store lives as
     long as the loader needs it. Each entry keeps the file and row its prompt came from, for errors.
 

@@ -100,7 +100,8 @@ def fetch_payloads(store: str, keys: list[str]) -> list[dict]:
         try:
             objects = dict(zip(refs, ray.get(refs), strict=True))
         except (ObjectLostError, OwnerDiedError) as exc:
-            lost = [f"{file}: row {row}" for (ref,), _, file, row in found if _is_lost(ref)]
+            gone = {ref for ref in refs if _is_lost(ref)}  # each object asked once (it holds several prompts')
+            lost = [f"{file}: row {row}" for (ref,), _, file, row in found if ref in gone]
             raise RuntimeError(f"prompt media lost from the object store; rows: {', '.join(lost)} ({exc})") from exc
         for key, ((ref,), index, _, _) in zip(missing, found, strict=True):
             payloads[key] = _CACHE.put(key, decode_payload(objects[ref][index]))
