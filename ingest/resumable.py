@@ -130,15 +130,7 @@ class ResumableBatches:
 
     def _read(self, plan: InputPlan, units: Sequence[ReadUnit]) -> Iterator[pa.Table]:
         """The blocks of ``units`` (in their order) made by the actors, with their provenance columns."""
-        media_store = None
-        if self.config.media_handoff:
-            from ingest.datasets.pools import ensure_ray
-            from ingest.rollout_media import HeldMedia
-
-            ensure_ray()
-            if self._held_media is None:
-                self._held_media = HeldMedia(self.config.media_handoff_ahead or self.batch_size)
-            media_store = self._held_media.begin(plan.context().files, units)
+        media_store = self._begin_media_read(plan, units) if self.config.media_handoff else None
         ds = build_dataset(
             plan.files,
             self.tokenizer,
@@ -151,9 +143,21 @@ class ResumableBatches:
             media_store=media_store,
         )
         blocks = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
-        if media_store is None:
-            yield from blocks
-            return
+        yield from blocks if media_store is None else self._held_media_blocks(blocks)
+
+    def _begin_media_read(self, plan: InputPlan, units: Sequence[ReadUnit]) -> str:
+        """``media_handoff``: a new read of ``units`` in this loader's ``HeldMedia``: its store's name."""
+        from ingest.datasets.pools import ensure_ray
+        from ingest.rollout_media import HeldMedia
+
+        ensure_ray()
+        if self._held_media is None:
+            self._held_media = HeldMedia(self.config.media_handoff_ahead or self.batch_size)
+        return self._held_media.begin(plan.context().files, units)
+
+    def _held_media_blocks(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
+        """``blocks`` as the loader takes them, each one's media keys told to the read's store (and, while the loader
+        waits for one, which units' blocks may pass the store's window)."""
         while True:
             with self._held_media.waiting_for_block():
                 block = next(blocks, None)

@@ -317,7 +317,11 @@ class MediaStore:
     ``adopt_many`` waits, which holds the vision actor that calls it. When the loader has waited ``LOADER_WAIT_S`` for
     a block (``loader_waiting``), the blocks of the units up to the one it waits for pass: the block the loader needs
     may sit behind the held one (Ray Data merges an actor task's outputs, and keeps the blocks in order), and the
-    others stay within the window."""
+    others stay within the window.
+
+    Where the driver makes the rows (a small machine: ``datasets.layout.driver_keeps_epoch``), the store makes their
+    rows and media instead (``start_making``, ``make_unit``): no actor pool or Ray Data executor runs, the payloads are
+    put once, by their owner, and the media's bytes never pass through the driver."""
 
     def __init__(self, files: Sequence[str], ahead: int, units: Sequence | None = None):
         from ingest.read.units import UnitIndex
@@ -333,10 +337,14 @@ class MediaStore:
         self._loader_waits_after = -1  # the loader waits for the block after this many (-1: not waiting)
         self._peaks = {"held": 0, "ahead": 0}
         self._changed = None  # an asyncio.Condition, made in the actor's event loop
+        self._units = None  # the read units' maker where the store makes them (start_making)
+        self._units_made = 0
+        self._stopped = False  # the loader stopped reading: nothing waits for room any more
 
     def _may_adopt(self, prompts: int, unit: int) -> bool:
         return (
-            not self._ahead
+            self._stopped
+            or not self._ahead
             or len(self._ahead) + prompts <= self._ahead_limit
             or (self._loader_waits_after == self._blocks_taken and unit <= self._waited_unit)
         )
@@ -350,19 +358,25 @@ class MediaStore:
         """``(key, file index, row)`` per prompt of one block, and ``[ref]`` of the block's payloads (a list of
         ``encode_payload`` payloads in the entries' order, put once by the vision actor; the ref in a list, so Ray hands
         it over unresolved): once the window has room, put again, owned here, ``PAYLOADS_PER_OBJECT`` to an object."""
+        if entries:
+            await self._room(entries)
+            self._hold(entries, await payloads[0])
+
+    async def _room(self, entries: list[tuple[str, int, int]]) -> None:
+        """Waits until the window has room for these prompts, then counts them as made ahead."""
         import asyncio
 
-        import ray
-
-        if not entries:
-            return
         if self._changed is None:
             self._changed = asyncio.Condition()
         async with self._changed:
             unit = -1 if self._unit_of is None else min(self._unit_of(file, row) for _, file, row in entries)
             await self._changed.wait_for(lambda: self._may_adopt(len(entries), unit))
             self._ahead.update(key for key, _, _ in entries)
-        made = await payloads[0]
+
+    def _hold(self, entries: list[tuple[str, int, int]], made: list) -> None:
+        """Puts ``made`` (the entries' payloads, in order), ``PAYLOADS_PER_OBJECT`` to an object owned here."""
+        import ray
+
         for start in range(0, len(entries), PAYLOADS_PER_OBJECT):
             ref = ray.put(made[start : start + PAYLOADS_PER_OBJECT])
             for index, (key, file, row) in enumerate(entries[start : start + PAYLOADS_PER_OBJECT]):
@@ -371,6 +385,53 @@ class MediaStore:
             "held": max(self._peaks["held"], len(self._entries)),
             "ahead": max(self._peaks["ahead"], len(self._ahead)),
         }
+
+    async def start_making(self, plan, config, context, tokenizer: str | None, processor: str, epoch: int) -> None:
+        """Makes the read units of ``plan`` here (``make_unit``), as the driver would (``datasets.local.DriverUnits``:
+        read, prompt stage, media stages), the payloads held here; ``context``: the read's, whose ``media_store`` is
+        this store. So the media's bytes never pass through the driver."""
+        import asyncio
+        import dataclasses
+
+        from ingest.datasets.local import DriverUnits
+        from ingest.stages.media import media_stages
+
+        def adopt(entries: list[tuple[str, int, int]], made: list) -> None:  # the stage's, in make_unit's thread
+            self._made.append((entries, made))
+
+        def units() -> DriverUnits:
+            in_store = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
+            media = media_stages(in_store, context, processor, "tokenizer", adopt=adopt)
+            return DriverUnits(plan, config, context, tokenizer, processor, epoch=epoch, media=media)
+
+        self._made: list = []
+        self._making = asyncio.Lock()
+        self._units = await asyncio.to_thread(units)
+
+    async def make_unit(self, unit) -> list:
+        """One read unit's blocks (``DriverUnits``'), their payloads held here once the window has room (as
+        ``adopt_many``). The unit is made in a thread, one at a time (the stages reuse their buffers); the store
+        answers meanwhile, and a unit waits for room after its making, so a later unit never holds up the one the
+        loader waits for."""
+        import asyncio
+
+        async with self._making:
+            try:
+                blocks = await asyncio.to_thread(lambda: list(self._units(unit)))
+            finally:
+                made, self._made = self._made, []
+        for entries, payloads in made:
+            if entries:
+                await self._room(entries)
+                self._hold(entries, payloads)
+        self._units_made += 1
+        return blocks
+
+    async def stop_making(self) -> None:
+        """The loader stopped reading part way: a unit waiting for room goes through (its media go with the store),
+        so that the loader's calls return."""
+        self._stopped = True
+        await self._notify()
 
     async def loader_waiting(self, blocks_taken: int, unit: int) -> None:
         """The loader, having taken ``blocks_taken`` blocks, has waited ``LOADER_WAIT_S`` (or a multiple) for the next
@@ -401,12 +462,13 @@ class MediaStore:
         await self._notify()
 
     async def stats(self) -> dict[str, int]:
-        """Prompts held now and made ahead of the loader now, and the peaks of both."""
+        """Prompts held now and made ahead of the loader now, the peaks of both, and the read units made here."""
         return {
             "held": len(self._entries),
             "ahead": len(self._ahead),
             "peak_held": self._peaks["held"],
             "peak_ahead": self._peaks["ahead"],
+            "units_made": self._units_made,
         }
 
 

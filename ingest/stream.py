@@ -95,6 +95,13 @@ class PromptStream(ResumableBatches):
         (``datasets.local``), the first batch before any cluster, worker or actor starts; then, while the cluster
         starts beside it, the driver goes on until the unit where the actors take over (``datasets.handoff``)."""
         units = plan.units[self._position.unit :]
+        if self.config.media_handoff and self.driver_first_batch:  # the store needs Ray up: it starts first
+            from ingest.datasets.pools import ensure_ray
+
+            ensure_ray()
+            keeps = self._driver_keeps_epoch()
+            yield from self._read(plan, units) if keeps is None else self._made_by_media_store(plan, units, keeps)
+            return
         if not (self.driver_first_batch and driver_can_start(self.config, self.processor)):
             yield from self._read(plan, units)
             return
@@ -141,6 +148,32 @@ class PromptStream(ResumableBatches):
         finally:
             if handoff is not None:
                 handoff.close()
+
+    def _made_by_media_store(self, plan: InputPlan, units, keeps: str) -> Iterator[pa.Table]:
+        """``media_handoff`` where the driver would make the epoch (``keeps``: why): the read's store makes the units
+        as the driver would, rows and media (``MediaStore.make_unit``), and owns the media: no actor pool, no copy of
+        the media, and none of their bytes in this process."""
+        import dataclasses
+
+        import ray
+
+        logger.info("the media store makes all %d read units (%s)", len(units), keeps)
+        store_name = self._begin_media_read(plan, units)
+        store = self._held_media.store
+        context = dataclasses.replace(plan.context(self.ledger, True, self.config.image_key), media_store=store_name)
+        tokenizer = None if self.tokenizer is None else str(self.tokenizer)
+        ray.get(store.start_making.remote(plan, self.config, context, tokenizer, str(self.processor), self.epoch))
+
+        def new_maker():
+            return lambda unit: ray.get(store.make_unit.remote(unit))
+
+        # two units asked for at a time: the store makes the next while the loader takes this one's blocks
+        made = made_in_order(new_maker, units, self.DRIVER_THREADS, "ingest-media-units")
+        try:
+            yield from self._held_media_blocks(made)
+        finally:  # stopped part way: a unit waiting for the window's room would hold up the threads' end
+            store.stop_making.remote()
+            made.close()
 
     def _driver_keeps_epoch_without_cluster(self) -> str | None:
         """Why the driver makes this whole epoch without starting the local cluster it would start, else None: the

@@ -147,6 +147,66 @@ def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_sess
         fetch_payload(held.name, batches[0])
 
 
+def _handed_off_epoch(loader) -> tuple[list[str], list]:
+    """Each row's raw prompt (its store and media key blanked) and its payload, fetched while its batch is held."""
+    import json
+
+    from ingest.rollout_media import prompt_media_key
+
+    rows, payloads = [], []
+    for batch in loader:
+        for messages in batch["raw_prompt"]:
+            found = prompt_media_key(messages)
+            text = json.dumps(list(messages), sort_keys=True)
+            rows.append(text if found is None else text.replace(found[0], "<store>").replace(found[1], "<key>"))
+            payloads.append(None if found is None else fetch_payload(*found))
+    return rows, payloads
+
+
+def test_where_the_driver_would_make_the_rows_the_media_store_makes_them_with_the_same_media(
+    ray_session, geo3k_files, model_dir, tmp_path, monkeypatch
+):
+    """Where the driver would make an epoch's rows (two CPUs), the read's media store makes them, rows and media,
+    and owns the payloads: no actor pool, no copy. The rows and payloads equal the vision actors'; the window holds
+    the store back as it holds them; a read stopped part way ends at once."""
+    from ingest.stream import PromptStream
+    from ingest.verl import VerlDataLoader
+    from tools.oracle.agent_loop import _difference
+
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    window, unit = 8, 12  # 4 read units of 12 rows
+    data = {"row_format": "verl-0.9", "shuffle": False, "read_rows_per_task": unit}
+    data.update(media_handoff=True, media_handoff_ahead=window)
+
+    def loader() -> VerlDataLoader:
+        return VerlDataLoader(geo3k_files, model, data, 8, model, drop_last=False)
+
+    by_actors = loader()
+    rows, payloads = _handed_off_epoch(by_actors)
+    assert by_actors.held_media.stats()["units_made"] == 0  # 4 logical CPUs: the actors made them
+    monkeypatch.setattr(PromptStream, "_driver_keeps_epoch", lambda self: "the test's two CPUs")
+    by_store = loader()
+    assert _handed_off_epoch(by_store)[0] == rows
+    store_rows, store_payloads = _handed_off_epoch(by_store)  # the next epoch: a store of its own
+    assert store_rows == rows and len(rows) == 48 and by_store.held_media.stats()["units_made"] == 4
+    for ours, theirs in zip(store_payloads, payloads, strict=True):
+        assert (ours is None) == (theirs is None) and (ours is None or _difference(ours, theirs) is None)
+    stalled = iter(loader())
+    next(stalled)  # the first batch taken: unit 0's block; the store makes unit 1 (12 prompts > the window: none
+    time.sleep(3)  # were ahead), then holds unit 2 back
+    # the store of the read in progress
+    stats = ray_session.get(_current_store(stalled).stats.remote())
+    assert stats["units_made"] == 2 and stats["ahead"] == unit, stats
+    started = time.perf_counter()
+    stalled.close()
+    assert time.perf_counter() - started < 10
+
+
+def _current_store(batches):
+    """The media store of the read a loader's batch iterator is in."""
+    return batches.gi_frame.f_locals["self"].held_media.store
+
+
 class _PayloadOwner:
     """Owns what it puts: once it is killed, its objects are lost, as a lost node's are."""
 

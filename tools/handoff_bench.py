@@ -10,8 +10,10 @@ tokens), up to the generate call and the training inputs, as verl's manager driv
 Figures (tools/oracle/agent_loop.py, ``bench_side``): the multimodal work's CPU (stock: qwen-vl-utils, the
 continuous-token builder and the training inputs in the workers; hand-off: the same seams, which resolve the
 payload, plus what the pipeline spends beyond making the same rows without the hand-off, from a third run of ours
-that makes only the rows), the workers' whole ``generate_sequences`` CPU,
-wall time, and the controller's peak RSS (the process that holds the batches; its tree's peak PSS beside it).
+that makes only the rows), the workers' whole ``generate_sequences`` CPU, wall time, and the controller's peak RSS
+(the process that holds the batches; its tree's peak PSS beside it). The pipeline's CPU is the controller's plus that
+of every Ray process but the agent-loop workers and Ray's daemons (``NOT_PIPELINE``), each read from this process
+(``TreePss``), so that the measured side pays nothing for it.
 """
 
 from __future__ import annotations
@@ -51,12 +53,20 @@ def _side(check: str, files: list[str], model: str, work: Path, n: int, batch_si
     with open(out, "rb") as f:
         result = pickle.load(f)
     out.unlink()
-    return {**result, "tree_peak_pss_mib": measured["peak_pss_mib"]}
+    return {**result, "tree_peak_pss_mib": measured["peak_pss_mib"], "descendants_cpu_s": measured["descendants_cpu_s"]}
+
+
+# descendants that are not the pipeline's: the agent-loop workers, Ray's own daemons (there on every side for the
+# agent loop's Ray, whatever feeds it)
+NOT_PIPELINE = frozenset({"BenchWorker", "DashboardAgent", "RuntimeEnvAgent", "raylet", "gcs_server", "python", "?"})
 
 
 def _pipeline_cpu(side: dict) -> float:
-    """The pipeline's CPU: its actors' and the controller's (which may make the first rows itself)."""
-    return sum(side["pipeline_cpu_s"].values()) + side["controller_cpu_s"]
+    """The pipeline's CPU: the controller's (which may make the rows itself) and every Ray process's but the
+    agent-loop workers' and Ray's daemons': actors of the pipeline (the media store, actor pools, Ray Data's own) and
+    the idle workers Ray starts."""
+    processes = side["descendants_cpu_s"]
+    return side["controller_cpu_s"] + sum(s for title, s in processes.items() if title not in NOT_PIPELINE)
 
 
 def _ratios(stock: dict, ours: dict, rows: dict) -> dict:

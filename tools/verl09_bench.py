@@ -41,22 +41,32 @@ def _pss(pid: int) -> int:
 
 
 class TreePss(threading.Thread):
-    """The largest PSS sum over ``pid`` and its descendants until ``stop()``."""
+    """The largest PSS sum over ``pid`` and its descendants until ``stop()``; and each descendant's CPU seconds as
+    last seen, by its Ray title (``cpu_by_title``), read from outside so that the measured process pays nothing."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid, self.peak, self._halt = pid, 0, threading.Event()
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (title, CPU seconds)
 
     def run(self) -> None:
         import psutil
 
         while not self._halt.is_set():
             try:
-                root = psutil.Process(self.pid)
-                pids = [self.pid] + [p.pid for p in root.children(recursive=True)]
+                children = psutil.Process(self.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 return
-            self.peak = max(self.peak, sum(_pss(p) for p in pids))
+            self.peak = max(self.peak, _pss(self.pid) + sum(_pss(p.pid) for p in children))
+            for process in children:
+                try:
+                    title, times = _title(process.cmdline()), process.cpu_times()
+                except psutil.Error:
+                    continue
+                seen = self._cpu.get(process.pid)
+                if title == "IDLE" and seen is not None:  # a worker back in the pool: named by what it ran
+                    title = seen[0]
+                self._cpu[process.pid] = (title, times.user + times.system)
             self._halt.wait(SAMPLE_EVERY_S)
 
     def stop(self) -> float:
@@ -64,9 +74,25 @@ class TreePss(threading.Thread):
         self.join()
         return round(self.peak / MIB, 1)
 
+    def cpu_by_title(self) -> dict[str, float]:
+        """CPU seconds of the descendants by title: a Ray process's class (``ray::MediaStore.make_unit`` ->
+        ``MediaStore``; ``IDLE``: a worker that never ran anything), else the program's name (raylet, gcs_server)."""
+        totals: dict[str, float] = {}
+        for title, seconds in self._cpu.values():
+            totals[title] = totals.get(title, 0.0) + seconds
+        return {title: round(seconds, 2) for title, seconds in sorted(totals.items())}
+
+
+def _title(cmdline: list[str]) -> str:
+    if cmdline and cmdline[0].startswith("ray::"):
+        name = " ".join(cmdline)[len("ray::") :].split()[0]  # Class.method, or Ray Data's MapWorker(ops).method
+        return name[: name.rindex(")") + 1] if "(" in name else name.split(".")[0]
+    return os.path.basename(cmdline[0]) if cmdline else "?"
+
 
 def _measured(command: list[str], env: dict, cwd: str) -> dict:
-    """Run ``command`` with its tree's peak PSS sampled; what it printed last, where that is a JSON object."""
+    """Run ``command`` with its tree's peak PSS and its descendants' CPU by title sampled; what it printed last, where
+    that is a JSON object."""
     with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         sampler = TreePss(proc.pid)
         sampler.start()
@@ -75,7 +101,8 @@ def _measured(command: list[str], env: dict, cwd: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({proc.returncode}):\n{stderr[-4000:]}")
     last = (stdout.strip().splitlines() or [""])[-1]
-    return {**(json.loads(last) if last.startswith("{") else {}), "peak_pss_mib": peak}
+    measured = json.loads(last) if last.startswith("{") else {}
+    return {**measured, "peak_pss_mib": peak, "descendants_cpu_s": sampler.cpu_by_title()}
 
 
 def run_ours_cold(

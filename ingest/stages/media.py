@@ -35,10 +35,16 @@ def media_steps(config: DataConfig, pool: Pool) -> tuple[bool, bool]:
 
 
 def media_stages(
-    config: DataConfig, context: StageContext, processor: str | None, pool: Pool
+    config: DataConfig,
+    context: StageContext,
+    processor: str | None,
+    pool: Pool,
+    *,
+    adopt: Callable[[list, list], None] | None = None,
 ) -> Callable[[pa.Table], pa.Table] | None:
     """One block through the media stages the actors of ``pool`` run (``media_steps``), in order; None where they
-    run none (the text path, or pools that hand media on). Each stage counts and quarantines as in its own actor."""
+    run none (the text path, or pools that hand media on). Each stage counts and quarantines as in its own actor.
+    ``adopt``: where the rollout-media stage's payloads go (``RolloutMediaStage``)."""
     if processor is None:
         return None
     decode, vision = media_steps(config, pool)
@@ -48,7 +54,7 @@ def media_stages(
     if vision and config.raw_prompt_rows:  # media_handoff: each prompt's rollout media, made once
         from ingest.stages.rollout_media import RolloutMediaStage
 
-        stage = RolloutMediaStage(resolve_model_path(processor), config, context)
+        stage = RolloutMediaStage(resolve_model_path(processor), config, context, adopt)
         steps.append(partial(counted_block, stage.process, ledger=context.ledger, stage="vision"))
     elif vision:
         stage = VisionStage(resolve_model_path(processor), config, context)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -44,7 +45,13 @@ def verl_data_section(config: DataConfig) -> dict:
 class RolloutMediaStage:
     """Decoded verl 0.9 rows -> the same rows with media URIs, each prompt's payload in the object store."""
 
-    def __init__(self, processor_path: str, config: DataConfig, context: StageContext):
+    def __init__(
+        self,
+        processor_path: str,
+        config: DataConfig,
+        context: StageContext,
+        adopt: Callable[[list[tuple[str, int, int]], list[dict]], None] | None = None,
+    ):
         from ingest.rollout_media import check_handoff_release
         from ingest.rollout_media_kernels import KernelMediaMaker
 
@@ -58,6 +65,8 @@ class RolloutMediaStage:
         self.files, self.on_bad_row = list(context.files), config.on_bad_row
         self.keep_provenance = context.keep_provenance
         self._store = None
+        # where a block's payloads go: the store's adopt_many (default), or the store's own hold where it runs this
+        self.adopt = adopt or self._adopt_remotely
 
     def payloads(self, prompts: list[list[dict]]) -> list[dict | Exception]:
         """Media prompts' payloads (``encode_payload``'s form), or each one's error: the kernels' where they make
@@ -85,9 +94,12 @@ class RolloutMediaStage:
             self._store = ray.get_actor(self.store_name, namespace=NAMESPACE)
         return self._store
 
-    def process(self, table: pa.Table) -> StageResult:
+    def _adopt_remotely(self, held: list[tuple[str, int, int]], payloads: list[dict]) -> None:
         import ray
 
+        ray.get(self.store.adopt_many.remote(held, [ray.put(payloads)]))  # one put per block: each costs ~1 ms
+
+    def process(self, table: pa.Table) -> StageResult:
         from ingest.rollout_media import handle_items, media_items
 
         bad = BadRows(self.files, table, "raw_prompt")
@@ -107,7 +119,7 @@ class RolloutMediaStage:
             handle_items(rows[i], self.store_name, keys[i])
         bad.raise_first(self.on_bad_row)
         if held:  # registered before any consumer can see the rows
-            ray.get(self.store.adopt_many.remote(held, [ray.put(payloads)]))  # one put per block: each costs ~1 ms
+            self.adopt(held, payloads)
         kept = bad.kept()
         # the decode stage left the rows to this one to count (media_handoff): rows out and their prompt tokens
         tokens = table.column(PROMPT_TOKENS_COLUMN).to_numpy()

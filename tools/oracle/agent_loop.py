@@ -464,46 +464,6 @@ class BenchWorker:
         return {"samples": self.samples, "step_cpu_s": self.step_cpu_s, "media_cpu_s": self.meter.seconds}
 
 
-class ActorCpu:
-    """The CPU seconds of this session's Ray actor processes by their title, sampled (an actor pool's processes end
-    with its epoch): the last figure seen of each process, summed per name."""
-
-    NAMES = {"vision": "VisionActor", "store": "MediaStore", "decode": "DecodeActor", "tokenize": "TokenizeActor"}
-
-    def __init__(self, every_s: float = 0.25):
-        import threading
-
-        self.every_s, self.seen, self._halt = every_s, {}, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _sample(self) -> None:
-        import psutil
-
-        # this process's own Ray (its raylet's workers are its descendants), never another session on the machine
-        for process in psutil.Process().children(recursive=True):
-            try:
-                title, times = " ".join(process.cmdline()), process.cpu_times()
-            except psutil.Error:
-                continue
-            for name, marker in self.NAMES.items():
-                if title.startswith("ray::") and marker in title:
-                    self.seen[process.pid] = (name, times.user + times.system)
-
-    def _run(self) -> None:
-        while not self._halt.wait(self.every_s):
-            self._sample()
-
-    def stop(self) -> dict[str, float]:
-        self._sample()
-        self._halt.set()
-        self.thread.join()
-        totals = dict.fromkeys(self.NAMES, 0.0)
-        for name, seconds in self.seen.values():
-            totals[name] += seconds
-        return {name: round(seconds, 2) for name, seconds in totals.items()}
-
-
 def _stock_batches(spec: dict, config):
     """verl 0.9's own loader as its trainer makes it: ``RLHFDataset`` and a ``StatefulDataLoader`` with verl's
     ``collate_fn`` and its config's workers."""
@@ -533,7 +493,6 @@ def bench_side(spec: dict) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    actors = ActorCpu()
     config = trainer_config(spec["model"], spec["n"], spec["prompt_length"], handoff)
     config.data.max_prompt_length = spec["prompt_length"]
     workers = []
@@ -556,7 +515,6 @@ def bench_side(spec: dict) -> dict:
         prompts += len(batch["raw_prompt"])
     wall_s = time.perf_counter() - started
     stats = ray.get([worker.stats.remote() for worker in workers])
-    pipeline = actors.stop()
     children = os.times()
     result = {
         "side": side,
@@ -565,7 +523,6 @@ def bench_side(spec: dict) -> dict:
         "wall_s": round(wall_s, 2),
         "rollout_media_cpu_s": round(sum(s["media_cpu_s"] for s in stats), 2),
         "step_cpu_s": round(sum(s["step_cpu_s"] for s in stats), 2),
-        "pipeline_cpu_s": pipeline,
         "controller_cpu_s": round(time.process_time() - cpu_started, 2),
         "controller_children_cpu_s": round(children.children_user + children.children_system, 2),
         "controller_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
