@@ -58,7 +58,10 @@ def _side(check: str, files: list[str], model: str, work: Path, n: int, batch_si
 
 # descendants that are not the pipeline's: the agent-loop workers, Ray's own daemons (there on every side for the
 # agent loop's Ray, whatever feeds it)
-NOT_PIPELINE = frozenset({"BenchWorker", "DashboardAgent", "RuntimeEnvAgent", "raylet", "gcs_server", "python", "?"})
+NOT_PIPELINE = frozenset(
+    ("BenchWorker", "DashboardAgent", "RuntimeEnvAgent", "raylet", "gcs_server")
+    + ("monitor.py", "log_monitor.py", "dashboard.py")
+)
 
 
 def _pipeline_cpu(side: dict) -> float:

@@ -76,7 +76,8 @@ class TreePss(threading.Thread):
 
     def cpu_by_title(self) -> dict[str, float]:
         """CPU seconds of the descendants by title: a Ray process's class (``ray::MediaStore.make_unit`` ->
-        ``MediaStore``; ``IDLE``: a worker that never ran anything), else the program's name (raylet, gcs_server)."""
+        ``MediaStore``; ``IDLE``: a worker that never ran anything), else the Python script's or program's name
+        (``monitor.py``, ``raylet``)."""
         totals: dict[str, float] = {}
         for title, seconds in self._cpu.values():
             totals[title] = totals.get(title, 0.0) + seconds
@@ -87,6 +88,9 @@ def _title(cmdline: list[str]) -> str:
     if cmdline and cmdline[0].startswith("ray::"):
         name = " ".join(cmdline)[len("ray::") :].split()[0]  # Class.method, or Ray Data's MapWorker(ops).method
         return name[: name.rindex(")") + 1] if "(" in name else name.split(".")[0]
+    scripts = [os.path.basename(arg) for arg in cmdline[1:] if arg.endswith(".py")]
+    if scripts:  # Ray's monitors, a worker not yet titled
+        return scripts[0]
     return os.path.basename(cmdline[0]) if cmdline else "?"
 
 
