@@ -64,7 +64,8 @@ class TreePss(threading.Thread):
                 except psutil.Error:
                     continue
                 seen = self._cpu.get(process.pid)
-                if title == "IDLE" and seen is not None:  # a worker back in the pool: named by what it ran
+                # a worker back in the pool, or one exiting (no command line left): named by what it ran
+                if title in ("IDLE", "?") and seen is not None:
                     title = seen[0]
                 self._cpu[process.pid] = (title, times.user + times.system)
             self._halt.wait(SAMPLE_EVERY_S)
