@@ -16,10 +16,11 @@ functions), and stock qwen-vl-utils fails on one loudly (no such file), never wi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import pickle
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -259,8 +260,6 @@ class PromptMediaMaker:
                 messages, images=images, videos=videos, audios=audios, mm_inputs_out=prompt_inputs
             )
         else:
-            import asyncio
-
             audios = None
             images, videos = asyncio.run(
                 self.dataset_cls.process_vision_info(messages, image_patch_size=self.image_patch_size, config=self.data)
@@ -338,6 +337,8 @@ class MediaStore:
         self._peaks = {"held": 0, "ahead": 0}
         self._changed = None  # an asyncio.Condition, made in the actor's event loop
         self._units = None  # the read units' maker where the store makes them (start_making)
+        self._made: list = []  # the payloads of the unit being made: (entries, payloads) per block
+        self._making = asyncio.Lock()  # one unit at a time: the stages reuse their buffers
         self._units_made = 0
         self._stopped = False  # the loader stopped reading: nothing waits for room any more
 
@@ -364,8 +365,6 @@ class MediaStore:
 
     async def _room(self, entries: list[tuple[str, int, int]]) -> None:
         """Waits until the window has room for these prompts, then counts them as made ahead."""
-        import asyncio
-
         if self._changed is None:
             self._changed = asyncio.Condition()
         async with self._changed:
@@ -386,35 +385,21 @@ class MediaStore:
             "ahead": max(self._peaks["ahead"], len(self._ahead)),
         }
 
-    async def start_making(self, plan, config, context, tokenizer: str | None, processor: str, epoch: int) -> None:
-        """Makes the read units of ``plan`` here (``make_unit``), as the driver would (``datasets.local.DriverUnits``:
-        read, prompt stage, media stages), the payloads held here; ``context``: the read's, whose ``media_store`` is
-        this store. So the media's bytes never pass through the driver."""
-        import asyncio
-        import dataclasses
-
-        from ingest.datasets.local import DriverUnits
-        from ingest.stages.media import media_stages
+    async def start_making(self, new_units: Callable[..., Callable[[Any], Iterable]]) -> None:
+        """Makes the read's units here (``make_unit``), as the driver would: ``new_units(adopt=...)`` is the loader's
+        ``datasets.local.DriverUnits`` (read, prompt stage, media stages) for this read, whose rollout-media stage
+        hands its payloads to ``adopt``. So the media's bytes never pass through the driver."""
 
         def adopt(entries: list[tuple[str, int, int]], made: list) -> None:  # the stage's, in make_unit's thread
             self._made.append((entries, made))
 
-        def units() -> DriverUnits:
-            in_store = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
-            media = media_stages(in_store, context, processor, "tokenizer", adopt=adopt)
-            return DriverUnits(plan, config, context, tokenizer, processor, epoch=epoch, media=media)
-
-        self._made: list = []
-        self._making = asyncio.Lock()
-        self._units = await asyncio.to_thread(units)
+        self._units = await asyncio.to_thread(new_units, adopt=adopt)
 
     async def make_unit(self, unit) -> list:
         """One read unit's blocks (``DriverUnits``'), their payloads held here once the window has room (as
         ``adopt_many``). The unit is made in a thread, one at a time (the stages reuse their buffers); the store
         answers meanwhile, and a unit waits for room after its making, so a later unit never holds up the one the
         loader waits for."""
-        import asyncio
-
         async with self._making:
             try:
                 blocks = await asyncio.to_thread(lambda: list(self._units(unit)))

@@ -16,6 +16,7 @@ under another batch size (states saved before kept it, and still load with their
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class PromptStream(ResumableBatches):
             from ingest.datasets.pools import ensure_ray
 
             ensure_ray()
-            keeps = self._driver_keeps_epoch()
+            keeps = self._driver_keeps_epoch() if self.processor is not None else None
             yield from self._read(plan, units) if keeps is None else self._made_by_media_store(plan, units, keeps)
             return
         if not (self.driver_first_batch and driver_can_start(self.config, self.processor)):
@@ -162,7 +163,8 @@ class PromptStream(ResumableBatches):
         store = self._held_media.store
         context = dataclasses.replace(plan.context(self.ledger, True, self.config.image_key), media_store=store_name)
         tokenizer = None if self.tokenizer is None else str(self.tokenizer)
-        ray.get(store.start_making.remote(plan, self.config, context, tokenizer, str(self.processor), self.epoch))
+        driver_units = functools.partial(DriverUnits, plan, self.config, context, tokenizer, str(self.processor))
+        ray.get(store.start_making.remote(functools.partial(driver_units, epoch=self.epoch)))
 
         def new_maker():
             return lambda unit: ray.get(store.make_unit.remote(unit))

@@ -48,8 +48,8 @@ class DriverUnits:
     ids it does not need, and for media rows the decode stage's (a row is only known good once its media decode; no
     vision stage runs, which drops no row whose media decoded). JPEGs left to a device decoder are decoded here by
     PIL, as the vision stage does with any its device refuses; videos left to a device decoder
-    (``vision_decode_video_on_device``) are counted where they are decoded, not here. ``media``: the media stages'
-    call where they run elsewhere (with ``media_handoff``, the read's media store)."""
+    (``vision_decode_video_on_device``) are counted where they are decoded, not here. ``adopt``: where the
+    rollout-media stage's payloads go (``media_handoff``: the read's media store makes the units with its own)."""
 
     def __init__(
         self,
@@ -61,26 +61,24 @@ class DriverUnits:
         *,
         epoch: int = 0,
         count_only: bool = False,
-        media: Callable[[pa.Table], pa.Table] | None = None,
+        adopt: Callable[[list, list], None] | None = None,
     ):
         from ingest.stages.decode import DecodeStage
         from ingest.stages.media import counted_block, media_stages
         from ingest.stages.prompt import prompt_stage
 
-        if not (count_only or media is not None or driver_can_start(config, processor)):
+        if not (count_only or adopt is not None or driver_can_start(config, processor)):
             raise ValueError("the driver does not make rows whose vision stage runs on GPU actors")
         self.plan, self.config, self.context, self.epoch = plan, config, context, epoch
         self.media: Callable[[pa.Table], pa.Table] | None
-        if media is not None:  # the media stages run elsewhere (the media store's, with media_handoff)
-            self.media = media
-        elif count_only and processor is not None:
+        if count_only and processor is not None:
             decode = DecodeStage(config, context, count_only=True)
             self.media = functools.partial(counted_block, decode, ledger=context.ledger, stage="decode")
         else:
             # every media stage in this process, on the CPU even where the driver sees a GPU: a CPU actor's ("auto"
             # on a CPU actor is the CPU); verl 0.9 rows have only the decode stage, none for text rows
             one_pool = dataclasses.replace(config, decode_pool_max_size=0, vision_pool_max_size=0, vision_device="cpu")
-            self.media = media_stages(one_pool, context, processor, "tokenizer")
+            self.media = media_stages(one_pool, context, processor, "tokenizer", adopt=adopt)
         self.stage = prompt_stage(config, context, tokenizer, processor, count_only=count_only)
 
     def __call__(self, unit: ReadUnit) -> Iterator[pa.Table]:
