@@ -191,20 +191,15 @@ def test_where_the_driver_would_make_the_rows_the_media_store_makes_them_with_th
     assert store_rows == rows and len(rows) == 48 and by_store.held_media.stats()["units_made"] == 4
     for ours, theirs in zip(store_payloads, payloads, strict=True):
         assert (ours is None) == (theirs is None) and (ours is None or _difference(ours, theirs) is None)
-    stalled = iter(loader())
+    stalled_loader = loader()
+    stalled = iter(stalled_loader)
     next(stalled)  # the first batch taken: unit 0's block; the store makes unit 1 (12 prompts > the window: none
     time.sleep(3)  # were ahead), then holds unit 2 back
-    # the store of the read in progress
-    stats = ray_session.get(_current_store(stalled).stats.remote())
+    stats = stalled_loader.held_media.stats()
     assert stats["units_made"] == 2 and stats["ahead"] == unit, stats
     started = time.perf_counter()
     stalled.close()
     assert time.perf_counter() - started < 10
-
-
-def _current_store(batches):
-    """The media store of the read a loader's batch iterator is in."""
-    return batches.gi_frame.f_locals["self"].held_media.store
 
 
 class _PayloadOwner:
