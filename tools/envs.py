@@ -10,7 +10,8 @@ For each ``requirements/envs/<name>.txt`` (a verl release with the versions its 
 
 Usage: ``python -m tools.envs [NAME ...] [--keep]`` (all entries by default); ``make test-envs`` runs it. Each venv
 takes 6 to 8 GB (its own torch with CUDA libraries), so it is removed once its entry has run and pip's cache is not
-used: the run needs room for one venv at a time. With ``--keep`` venvs stay and a later run reuses one while its
+used. Two entries run at a time (``--lanes``), each with its own Ray temp dir and log, where the disk holds two venvs;
+else one. With ``--keep`` venvs stay and a later run reuses one while its
 requirements file and the versions it had before ray-ingest are unchanged.
 """
 
@@ -26,7 +27,10 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRIES = ROOT / "requirements" / "envs"
@@ -53,8 +57,11 @@ def free_gb(path: Path) -> float:
     return shutil.disk_usage(path).free / 2**30
 
 
-def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    print("+", " ".join(str(c) for c in cmd), flush=True)
+def run(cmd: list[str], log: TextIO | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``cmd``, echoed and checked; with ``log``, it and its output go there (an entry prepared in the background)."""
+    print("+", " ".join(str(c) for c in cmd), file=log or sys.stdout, flush=True)
+    if log is not None:
+        kwargs = {"stdout": log, "stderr": subprocess.STDOUT, **kwargs}
     return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
 
 
@@ -73,7 +80,7 @@ def installed(python: Path) -> dict[str, str]:
     return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listed.stdout)}
 
 
-def user_environment(name: str) -> tuple[Path, dict[str, str]]:
+def user_environment(name: str, log: TextIO | None = None) -> tuple[Path, dict[str, str]]:
     """The venv of entry ``name`` with its requirements installed, and the versions it had before ray-ingest."""
     requirements = ENTRIES / f"{name}.txt"
     venv = VENVS / name
@@ -86,39 +93,72 @@ def user_environment(name: str) -> tuple[Path, dict[str, str]]:
         if all(now.get(p) == v for p, v in versions.items()):  # else an earlier run changed it: build it again
             return python, versions
     shutil.rmtree(venv, ignore_errors=True)
-    run([sys.executable, "-m", "venv", venv])
-    run(pip(python, "install", "-q", "--upgrade", "pip"))
-    run(pip(python, "install", "-q", "-r", requirements))
+    run([sys.executable, "-m", "venv", venv], log)
+    run(pip(python, "install", "-q", "--upgrade", "pip"), log)
+    run(pip(python, "install", "-q", "-r", requirements), log)
     versions = installed(python)
     stamp.write_text(json.dumps({"requirements": digest, "installed": versions}))
     return python, versions
 
 
-def install_wheel(python: Path, wheel: Path, before: dict[str, str]) -> list[str]:
+def install_wheel(python: Path, wheel: Path, before: dict[str, str], log: TextIO | None = None) -> list[str]:
     """Install ``wheel`` as a user would (plain pip, dependencies resolved); the packages whose version it changed."""
     report = python.parent.parent / "wheel-install.json"
-    run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"])
-    run(pip(python, "install", "-q", "--report", report, wheel))
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"], log)
+    run(pip(python, "install", "-q", "--report", report, wheel), log)
     after = installed(python)
     return [f"{p} {v} -> {after.get(p, 'removed')}" for p, v in sorted(before.items()) if after.get(p) != v]
 
 
-def install_test_tools(python: Path) -> None:
-    """The tests' own tools, held to the versions the venv has where pip finds a way: they add packages (moto's
-    boto3) but change none (moto's newest boto3 would otherwise upgrade the botocore that s3fs's aiobotocore pins in
-    verl 0.5's entry). Where the venv's versions leave moto no solution (verl 0.6 to 0.9's entries), pip resolves it
-    freely and what the tools changed is printed: they are the tests', not the user's."""
+def install_test_tools(python: Path, log: TextIO | None = None) -> None:
+    """The tests' own tools (pytest and its timeout plugin), held to the versions the venv has where pip finds a way;
+    else resolved freely, with what they changed printed: they are the tests', not the user's. (None of the matrix's
+    modules reads S3, so moto is not among them: under verl 0.6 to 0.9's pins it had no solution, and pip took
+    minutes to find that out in each entry.)"""
     constraints = python.parent.parent / "test-tools-constraints.txt"
     before = {p: v for p, v in installed(python).items() if p not in ("pip", "ray-ingest")}
     constraints.write_text("".join(f"{p}=={v}\n" for p, v in sorted(before.items())))
     tools = pip(python, "install", "-q", "-r", ENTRIES / "tests.txt")
     try:
-        run([*tools, "-c", constraints])
+        run([*tools, "-c", constraints], log)
     except subprocess.CalledProcessError:
-        run(tools)
+        run(tools, log)
         after = installed(python)
         changed = [f"{p} {v} -> {after.get(p)}" for p, v in sorted(before.items()) if after.get(p) != v]
-        print(f"the tests' tools changed: {', '.join(changed) or 'nothing'}", flush=True)
+        print(f"the tests' tools changed: {', '.join(changed) or 'nothing'}", file=log or sys.stdout, flush=True)
+
+
+@dataclass
+class Prepared:
+    """An entry's venv, made ready for its tests: its requirements, then the wheel, then the tests' tools."""
+
+    name: str
+    python: Path | None = None
+    changed: list[str] = field(default_factory=list)  # the versions the wheel changed (then no tools, no tests)
+    failed: str | None = None  # the install that failed, with the free space then
+    built_s: float = 0.0  # the venv with the entry's requirements
+
+
+def prepare(name: str, wheel: Path, log: TextIO | None = None) -> Prepared:
+    """Entry ``name``'s venv with its requirements, the wheel and the tests' tools; an install that fails (a download
+    cut off, a full disk) is recorded, not raised, so the other entries still run."""
+    started, entry = time.monotonic(), Prepared(name)
+    free = free_gb(VENVS)
+    if free < FREE_GB_NEEDED and not (VENVS / name / "user-environment.json").is_file():
+        print(
+            f"{name}: {free:.1f} GB free under {VENVS}, an entry needs about {FREE_GB_NEEDED} GB", file=log, flush=True
+        )
+    try:
+        entry.python, before = user_environment(name, log)
+        entry.built_s = time.monotonic() - started
+        entry.changed = install_wheel(entry.python, wheel, before, log)
+        if not entry.changed:
+            install_test_tools(entry.python, log)
+    except subprocess.CalledProcessError as exc:
+        entry.failed = (
+            f"{' '.join(map(str, exc.cmd[:6]))} ... failed ({exc.returncode}) with {free_gb(VENVS):.1f} GB free"
+        )
+    return entry
 
 
 def copy_tests(name: str) -> Path:
@@ -131,12 +171,22 @@ def copy_tests(name: str) -> Path:
     return work
 
 
-def smoke_run(python: Path, work: Path) -> str | None:
+def entry_environment(name: str, work: Path) -> dict[str, str]:
+    """The variables an entry's runs get: a cache of its own (the offline tokenizer is built there by the venv's
+    transformers, from the installed package), a Ray temp dir of its own (entries run side by side: a `ray start` head
+    of one is then never "the" cluster of the machine for another), and no PYTHONPATH (the wheel is what they
+    import)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "RAY_TMPDIR": f"/tmp/ingest-envs/{name}"}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def smoke_run(name: str, python: Path, work: Path) -> str | None:
     """``python -m ingest run`` on 2,000 sample rows in the venv, as a user's first run: None when it ran and its
     summary has every figure (the object store's too), else what went wrong."""
     data = work / "smoke"
     write = f"from ingest.demo import write_gsm8k_parquet; write_gsm8k_parquet({str(data / 'in')!r}, 2000, num_files=2)"
-    env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache")}
+    env = entry_environment(name, work)
     subprocess.run([python, "-c", write], check=True, cwd=work, env=env)
     summary, config = data / "summary.json", data / "config.yaml"
     config.write_text("row_format: auto\n")  # the installed verl's rows (its release refuses any other format)
@@ -152,12 +202,10 @@ def smoke_run(python: Path, work: Path) -> str | None:
     return None
 
 
-def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dict[str, int]:
-    """The entry's tests in its venv; the counts of its junit report."""
+def run_tests(name: str, python: Path, work: Path, extra: list[str] = (), log: TextIO | None = None) -> dict[str, int]:
+    """The entry's tests in its venv (their output to ``log``); the counts of its junit report."""
     junit = work / "junit.xml"
-    # a cache of its own: the offline tokenizer is built by this venv's transformers, from the installed package
-    env = {**os.environ, "INGEST_ORACLE_INSTALLED": "1", "XDG_CACHE_HOME": str(work / "cache")}
-    env.pop("PYTHONPATH", None)
+    env = {**entry_environment(name, work), "INGEST_ORACLE_INSTALLED": "1"}
     cmd = [
         python,
         "-m",
@@ -170,7 +218,8 @@ def run_tests(name: str, python: Path, work: Path, extra: list[str] = ()) -> dic
         "--timeout=420",
         "--timeout-method=thread",
     ]
-    subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON, *extra]], cwd=work, env=env)
+    output = {"stdout": log, "stderr": subprocess.STDOUT} if log is not None else {}
+    subprocess.run([str(c) for c in [*cmd, *TESTS[name], *COMMON, *extra]], cwd=work, env=env, **output)
     if not junit.is_file():  # pytest-timeout's thread method ended the whole session: no report
         return {"tests": 0, "failures": 0, "errors": 1, "skipped": 0, "passed": 0}
     suite = ElementTree.parse(junit).getroot().find("testsuite")
@@ -186,6 +235,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"entries (default: all of {', '.join(TESTS)})")
     parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
     parser.add_argument("--keep", action="store_true", help="keep each venv for the next run (6 to 8 GB each)")
+    parser.add_argument("--lanes", type=int, default=2, help="entries run at a time (default 2; 1 where disk is short)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(TESTS))
     if unknown:
@@ -194,40 +244,85 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Outcome:
+    """What one entry's turn gave: its venv (``Prepared``), the smoke run's problem (or the failed install), the
+    junit counts, and its wall time."""
+
+    entry: Prepared
+    problem: str | None
+    counts: dict[str, int]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        passed = bool(self.counts) and self.counts["passed"] > 0
+        return (
+            not self.entry.changed
+            and not self.problem
+            and passed
+            and not self.counts["failures"] + self.counts["errors"]
+        )
+
+    def line(self) -> str:
+        detail = ", ".join(f"{v} {k}" for k, v in self.counts.items())
+        detail = f"changed {', '.join(self.entry.changed)}" if self.entry.changed else detail
+        detail += f"; {self.problem}" if self.problem else "; python -m ingest run ok"
+        verdict = "ok" if self.ok else "FAILED"
+        return (
+            f"{self.entry.name:9} {verdict:6} {detail}  (venv {self.entry.built_s:.0f} s, total {self.seconds:.0f} s)"
+        )
+
+
+def run_entry(name: str, wheel: Path, extra: list[str], keep: bool, log: TextIO | None = None) -> Outcome:
+    """One entry, whole: its venv, the wheel, the smoke run and its tests (their output to ``log``); the venv is
+    removed afterwards unless ``keep``."""
+    started = time.monotonic()
+    entry = prepare(name, wheel, log)
+    problem, counts = entry.failed, {}
+    if entry.python is not None and not entry.changed and not entry.failed:
+        work = copy_tests(name)
+        try:
+            problem = smoke_run(name, entry.python, work)
+            counts = run_tests(name, entry.python, work, extra, log)
+        except (OSError, subprocess.SubprocessError) as exc:  # the smoke data not written, a run past its timeout
+            problem = f"{type(exc).__name__}: {exc}"
+    if not keep:
+        shutil.rmtree(VENVS / name, ignore_errors=True)
+    return Outcome(entry, problem, counts, time.monotonic() - started)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     wheel = build_wheel()
-    results, failed = [], False
-    for name in args.names:
-        started, built = time.monotonic(), 0.0
-        free = free_gb(VENVS)
-        if free < FREE_GB_NEEDED and not (VENVS / name / "user-environment.json").is_file():
-            print(f"{name}: {free:.1f} GB free under {VENVS}, an entry needs about {FREE_GB_NEEDED} GB", flush=True)
-        try:
-            python, before = user_environment(name)
-            built = time.monotonic() - started
-            changed = install_wheel(python, wheel, before)
-            if not changed:
-                install_test_tools(python)
-            work = copy_tests(name)
-            smoke = None if changed else smoke_run(python, work)
-            counts = run_tests(name, python, work, args.pytest) if not changed else {}
-        except subprocess.CalledProcessError as exc:  # an install that failed (a download, say): the next entry runs
-            changed, counts, smoke = [], {}, f"{' '.join(map(str, exc.cmd[:6]))} ... failed ({exc.returncode})"
-            smoke += f" with {free_gb(VENVS):.1f} GB free"
-        if not args.keep:
-            shutil.rmtree(VENVS / name, ignore_errors=True)
-        ok = not changed and not smoke and counts["passed"] > 0 and not counts["failures"] and not counts["errors"]
-        failed |= not ok
-        results.append((name, ok, changed, smoke, counts, built, time.monotonic() - started))
+    started = time.monotonic()
+    # Two entries at a time where the disk holds two venvs: one's downloads and its tests' waits (subprocesses, Ray
+    # starting) leave a core idle that the other uses. Each writes to a log of its own, printed when it ends.
+    lanes = min(args.lanes, len(args.names))
+    if lanes > 1 and free_gb(VENVS) < lanes * FREE_GB_NEEDED:
+        print(f"{free_gb(VENVS):.1f} GB free under {VENVS}: one entry at a time", flush=True)
+        lanes = 1
+    outcomes = []
+    if lanes == 1:
+        outcomes = [run_entry(name, wheel, args.pytest, args.keep) for name in args.names]
+    else:
+        logs = {name: VENVS / f"{name}.log" for name in args.names}
+
+        def logged(name: str) -> Outcome:
+            with open(logs[name], "w") as log:
+                return run_entry(name, wheel, args.pytest, args.keep, log)
+
+        with ThreadPoolExecutor(max_workers=lanes) as pool:
+            running = {pool.submit(logged, name): name for name in args.names}
+            for done in as_completed(running):
+                print(f"\n== {running[done]}\n{logs[running[done]].read_text()}", end="", flush=True)
+                outcomes.append(done.result())
     shutil.rmtree(wheel.parent, ignore_errors=True)
     print("\nenvironment matrix (ray-ingest wheel installed into each verl environment):")
-    for name, ok, changed, smoke, counts, built, total in results:
-        verdict = "ok" if ok else "FAILED"
-        detail = f"changed {', '.join(changed)}" if changed else ", ".join(f"{v} {k}" for k, v in counts.items())
-        detail += f"; {smoke}" if smoke else "; python -m ingest run ok"
-        print(f"  {name:9} {verdict:6} {detail}  (venv {built:.0f} s, total {total:.0f} s)")
-    return 1 if failed else 0
+    for outcome in sorted(outcomes, key=lambda o: o.entry.name):
+        print(f"  {outcome.line()}")
+    print(f"  {lanes} at a time: {time.monotonic() - started:.0f} s in all")
+    return 0 if all(outcome.ok for outcome in outcomes) else 1
 
 
 if __name__ == "__main__":
