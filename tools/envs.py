@@ -58,7 +58,7 @@ def free_gb(path: Path) -> float:
 
 
 def run(cmd: list[str], log: TextIO | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """``cmd``, echoed and checked; with ``log``, it and its output go there (an entry prepared in the background)."""
+    """``cmd``, echoed and checked; with ``log``, it and its output go there (an entry run beside another)."""
     print("+", " ".join(str(c) for c in cmd), file=log or sys.stdout, flush=True)
     if log is not None:
         kwargs = {"stdout": log, "stderr": subprocess.STDOUT, **kwargs}
