@@ -12,7 +12,7 @@ ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .ora
 $(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/media/_resize.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements/main.txt -r requirements/test.txt
+	$(PIP) install -q --no-compile -r requirements/main.txt -r requirements/test.txt
 	$(PIP) install -q --no-deps -e .
 	touch $@
 
@@ -27,7 +27,7 @@ install: $(STAMP)
 #   .oracle-0.7  verl 0.7.1 alone, run like 0.8.0 in front of .oracle-0.9: verl-0.7
 $(ORACLES): .%/.installed: requirements/%.txt
 	rm -rf .$*
-	$(PIP) install -q --no-deps --target .$* -r $<
+	$(PIP) install -q --no-compile --no-deps --target .$* -r $<
 	touch $@
 
 oracle: $(ORACLES)
@@ -38,7 +38,9 @@ demo: $(STAMP)
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
 # --durations: every run prints its slowest tests, so the tiers' budgets can be kept (the fast one: 10 minutes).
-PYTEST := LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
+# Ray's log monitor looks for new log files every 0.1 s until a cluster has 1,000 of them, then every 0.5 s: the
+# tests' clusters get the second pace from the start (a new actor's first lines reach a driver up to 0.5 s later).
+PYTEST := RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
 
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for
 # test-all.

@@ -617,7 +617,11 @@ CHECKS = {
 def several(spec: dict) -> dict:
     """Each of ``spec["checks"]`` (a name -> a spec with its ``check``), one after another in this process: the
     result of each by name."""
-    return {name: CHECKS[check["check"]](check) for name, check in spec["checks"].items()}
+    results = {}
+    for name, check in spec["checks"].items():
+        started = time.perf_counter()
+        results[name] = {**CHECKS[check["check"]](check), "seconds": time.perf_counter() - started}
+    return results
 
 
 CHECKS["compare"] = compare_cases
