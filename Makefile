@@ -9,11 +9,17 @@ ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .ora
 
 .PHONY: install oracle demo test test-all test-envs lint bench clean
 
+# Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), no process writes the bytecode of what it
+# imports: every Ray worker would compile this checkout's modules again. pip compiles what it installs; this compiles
+# the checkout's own (at install, and before each test run for the files changed since).
+BYTECODE := $(PY) -m compileall -q ingest actors tests tools
+
 $(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/media/_resize.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile -r requirements/main.txt -r requirements/test.txt
+	$(PIP) install -q -r requirements/main.txt -r requirements/test.txt
 	$(PIP) install -q --no-deps -e .
+	$(BYTECODE)
 	touch $@
 
 install: $(STAMP)
@@ -27,7 +33,7 @@ install: $(STAMP)
 #   .oracle-0.7  verl 0.7.1 alone, run like 0.8.0 in front of .oracle-0.9: verl-0.7
 $(ORACLES): .%/.installed: requirements/%.txt
 	rm -rf .$*
-	$(PIP) install -q --no-compile --no-deps --target .$* -r $<
+	$(PIP) install -q --no-deps --target .$* -r $<
 	touch $@
 
 oracle: $(ORACLES)
@@ -38,14 +44,17 @@ demo: $(STAMP)
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
 # --durations: every run prints its slowest tests, so the tiers' budgets can be kept (the fast one: 10 minutes).
-# Ray's log monitor looks for new log files every 0.1 s until a cluster has 1,000 of them, then every 0.5 s: the
-# tests' clusters get the second pace from the start (a new actor's first lines reach a driver up to 0.5 s later).
-PYTEST := RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
+# The tests' clusters run Ray's monitors at a slower pace (both cost CPU that the tests' pipelines want): the log
+# monitor looks for new log files every 0.5 s from the start, as Ray does once a cluster has 1,000 of them (not every
+# 0.1 s), and each node's dashboard agent reports its processes' stats to a dashboard every 30 s (not 5 s).
+RAY_MONITORS := RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 REPORTER_UPDATE_INTERVAL_MS=30000
+PYTEST := $(RAY_MONITORS) LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
 
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for
 # test-all.
 test: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
+	$(BYTECODE)
 	$(PYTEST) --durations=15 -m "not slow" tests
 
 # Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs. The modules that
@@ -57,6 +66,7 @@ SIDE_TESTS := tests/test_node_loss.py tests/test_cluster.py tests/test_layout.py
 	tests/test_faults_s3.py tests/test_cli.py
 test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
+	$(BYTECODE)
 	@mkdir -p out
 	RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 $(SIDE_TESTS) \
 		> out/test-all-side.log 2>&1 & side=$$!; \

@@ -95,8 +95,7 @@ def user_environment(name: str, log: TextIO | None = None) -> tuple[Path, dict[s
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", venv], log)
     run(pip(python, "install", "-q", "--upgrade", "pip"), log)
-    # no byte-compiling of every module at install (20,000+ files a venv): the tests compile the ones they import
-    run(pip(python, "install", "-q", "--no-compile", "-r", requirements), log)
+    run(pip(python, "install", "-q", "-r", requirements), log)
     versions = installed(python)
     stamp.write_text(json.dumps({"requirements": digest, "installed": versions}))
     return python, versions
@@ -162,13 +161,16 @@ def prepare(name: str, wheel: Path, log: TextIO | None = None) -> Prepared:
     return entry
 
 
-def copy_tests(name: str) -> Path:
-    """``tests/`` and ``tools/`` (and pytest's settings) without ``ingest/``: the tests then import the wheel."""
+def copy_tests(name: str, python: Path) -> Path:
+    """``tests/`` and ``tools/`` (and pytest's settings) without ``ingest/``: the tests then import the wheel. Their
+    bytecode is written here, as pip wrote the wheel's: where PYTHONDONTWRITEBYTECODE is set, no process that imports
+    them would, and each would compile them again."""
     work = VENVS / name / "checkout"
     shutil.rmtree(work, ignore_errors=True)
     for folder in ("tests", "tools"):
         shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+    subprocess.run([python, "-m", "compileall", "-q", work / "tests", work / "tools"], check=True, capture_output=True)
     return work
 
 
@@ -178,7 +180,7 @@ def entry_environment(name: str, work: Path) -> dict[str, str]:
     of one is then never "the" cluster of the machine for another), and no PYTHONPATH (the wheel is what they
     import)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "RAY_TMPDIR": f"/tmp/ingest-envs/{name}"}
-    env["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"  # as `make test` sets it
+    env.update(RAY_LOG_MONITOR_MANY_FILES_THRESHOLD="0", REPORTER_UPDATE_INTERVAL_MS="30000")  # as `make test` does
     env.pop("PYTHONPATH", None)
     return env
 
@@ -284,11 +286,11 @@ def run_entry(name: str, wheel: Path, extra: list[str], keep: bool, log: TextIO 
     entry = prepare(name, wheel, log)
     problem, counts = entry.failed, {}
     if entry.python is not None and not entry.changed and not entry.failed:
-        work = copy_tests(name)
         try:
+            work = copy_tests(name, entry.python)
             problem = smoke_run(name, entry.python, work)
             counts = run_tests(name, entry.python, work, extra, log)
-        except (OSError, subprocess.SubprocessError) as exc:  # the smoke data not written, a run past its timeout
+        except (OSError, subprocess.SubprocessError) as exc:  # a copy or the smoke data not written, a run too long
             problem = f"{type(exc).__name__}: {exc}"
     if not keep:
         shutil.rmtree(VENVS / name, ignore_errors=True)

@@ -322,22 +322,29 @@ def lifetime(spec: dict) -> dict:
     }
 
 
+# verl's AgentLoopManager splits each batch over this many agent-loop workers (agent.num_workers' default)
+AGENT_LOOP_WORKERS = 8
+
+
 class RolloutStandIn:
-    """A rollout worker's side of the hand-off, standing in for the agent loop: a batch's payloads fetched, then each
-    prompt resolved for each of its ``n`` samples (``prompt_media`` then ``sample_media``, as ``IngestDataset`` and
-    the loops do), in a process of its own; the CPU seconds it took."""
+    """The rollout workers' side of the hand-off, standing in for the agent loop: a batch split as verl splits it over
+    ``AGENT_LOOP_WORKERS`` workers, each part's payloads fetched, then each prompt resolved for each of its ``n``
+    samples (``prompt_media`` then ``sample_media``, as ``IngestDataset`` and the loops do), in a process of its own;
+    the CPU seconds it took."""
 
     def resolve(self, raw_prompt: list, n: int) -> dict:
         from ingest.verl.rollout_media import prefetch, prompt_media, sample_media
 
         started, samples = time.process_time(), 0
-        prefetch(raw_prompt)  # as IngestAgentLoopWorker does before a batch's samples run
-        for messages in raw_prompt:
-            for _ in range(n):
-                payload = prompt_media(messages)
-                images, _, _ = sample_media(payload)
-                assert images is not None
-                samples += 1
+        part = -(-len(raw_prompt) // AGENT_LOOP_WORKERS)
+        for first in range(0, len(raw_prompt), part):
+            prefetch(raw_prompt[first : first + part])  # as IngestAgentLoopWorker does before its samples run
+            for messages in raw_prompt[first : first + part]:
+                for _ in range(n):
+                    payload = prompt_media(messages)
+                    images, _, _ = sample_media(payload)
+                    assert images is not None
+                    samples += 1
         return {"samples": samples, "cpu_s": time.process_time() - started}
 
 
