@@ -77,7 +77,7 @@ test-all: $(STAMP) $(ORACLES)
 # The environment matrix: this package's wheel installed with plain pip into each verl release's own environment
 # (requirements/envs/), which it must leave unchanged, then that release's parity, trainer and launcher tests there.
 test-envs: $(STAMP)
-	$(PY) -m tools.envs
+	$(RAY_MONITORS) $(PY) -m tools.envs
 
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests tools

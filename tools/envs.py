@@ -180,7 +180,6 @@ def entry_environment(name: str, work: Path) -> dict[str, str]:
     of one is then never "the" cluster of the machine for another), and no PYTHONPATH (the wheel is what they
     import)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "RAY_TMPDIR": f"/tmp/ingest-envs/{name}"}
-    env.update(RAY_LOG_MONITOR_MANY_FILES_THRESHOLD="0", REPORTER_UPDATE_INTERVAL_MS="30000")  # as `make test` does
     env.pop("PYTHONPATH", None)
     return env
 
