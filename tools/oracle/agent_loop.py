@@ -336,7 +336,7 @@ class RolloutStandIn:
         from ingest.verl.rollout_media import prefetch, prompt_media, sample_media
 
         started, samples = time.process_time(), 0
-        part = -(-len(raw_prompt) // AGENT_LOOP_WORKERS)
+        part = max(1, -(-len(raw_prompt) // AGENT_LOOP_WORKERS))
         for first in range(0, len(raw_prompt), part):
             prefetch(raw_prompt[first : first + part])  # as IngestAgentLoopWorker does before its samples run
             for messages in raw_prompt[first : first + part]:
