@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .oracle-0.8/.installed .oracle-0.9/.installed
 
-.PHONY: install oracle demo test test-all test-envs lint bench clean
+.PHONY: install oracle demo test test-all test-envs test-envs-ci lint bench clean
 
 # Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), no process writes the bytecode of what it
 # imports: every Ray worker would compile this checkout's modules again. pip compiles what it installs; this compiles
@@ -50,6 +50,9 @@ demo: $(STAMP)
 RAY_MONITORS := RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 REPORTER_UPDATE_INTERVAL_MS=30000
 PYTEST := $(RAY_MONITORS) LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} $(PY) -m pytest -q
 
+# $(call RECORD,NAME,START): where CI_PHASES_FILE is set (.ci/run), add NAME's seconds since START (date +%s) to it
+RECORD = [ -z "$$CI_PHASES_FILE" ] || printf '%-34s %6d s\n' $(1) $$(( $$(date +%s) - $(2) )) >> "$$CI_PHASES_FILE"
+
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for
 # test-all.
 test: $(STAMP) $(ORACLES)
@@ -68,9 +71,11 @@ test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(BYTECODE)
 	@mkdir -p out
-	RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 $(SIDE_TESTS) \
-		> out/test-all-side.log 2>&1 & side=$$!; \
+	started=$$(date +%s); \
+	( RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 $(SIDE_TESTS) \
+		> out/test-all-side.log 2>&1; rc=$$?; $(call RECORD,"  test-all: side pytest",$$started); exit $$rc ) & side=$$!; \
 	$(PYTEST) --durations=25 $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
+	$(call RECORD,"  test-all: main pytest",$$started); \
 	wait $$side; side_rc=$$?; echo "== $(SIDE_TESTS)"; cat out/test-all-side.log; \
 	exit $$(( main || side_rc ))
 
@@ -78,6 +83,12 @@ test-all: $(STAMP) $(ORACLES)
 # (requirements/envs/), which it must leave unchanged, then that release's parity, trainer and launcher tests there.
 test-envs: $(STAMP)
 	$(RAY_MONITORS) $(PY) -m tools.envs
+
+# The matrix's CI tier, what .ci/run runs: in each verl release's own environment, the wheel changes no version,
+# `python -m ingest run` runs, and the tests marked `matrix` run (one parity case per kind of row that release has,
+# the hand-off against its agent loop where it has one, `main_ppo` up to placement).
+test-envs-ci: $(STAMP)
+	$(RAY_MONITORS) $(PY) -m tools.envs --tier ci
 
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests tools

@@ -22,6 +22,7 @@ Pull (``split_for_rollout``): ``Dataset.streaming_split(n)`` shards, each iterat
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -99,12 +100,41 @@ def batch_to_torch(batch: dict[str, Any], *, device: str | None = None, copy: bo
     return out
 
 
+# How long iter_batch_refs waits for the producer's next batch before it gives up on it (stall_timeout_s's default)
+STALL_TIMEOUT_S = 900.0
+
+
+class ProducerStalledError(TimeoutError):
+    """``iter_batch_refs``' producer task made no batch within ``stall_timeout_s``: the message names the task, its
+    process and node, and where its threads' stacks were written."""
+
+
 @ray.remote
-def _produce_batches(source, batch_size: int, collate_fn, drop_last: bool, tensors: str):
-    """Streaming generator: one yielded (stored) object per collated batch."""
+def _produce_batches(source, batch_size: int, collate_fn, drop_last: bool, tensors: str, stall_timeout_s):
+    """Streaming generator: first where it runs (pid, node), then one yielded (stored) object per collated batch.
+
+    With ``stall_timeout_s``, a batch that takes over half of it to make gets the process's threads' stacks written
+    to its stderr (the worker's log), again each half: a stalled producer has said where it waits by the time the
+    consumer gives up on it. The clock stops while a yield waits for the consumer (a slow trainer is no stall)."""
+    import faulthandler
+    import os
+
+    yield {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+    watch, every_s = stall_timeout_s is not None, (stall_timeout_s or 0) / 2
     batches = source.iter_torch_batches(batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, device="cpu")
-    for batch in batches:
-        yield batch_to_numpy(batch) if tensors == "numpy" else batch
+    try:
+        if watch:
+            faulthandler.dump_traceback_later(every_s, repeat=True)
+        for batch in batches:
+            out = batch_to_numpy(batch) if tensors == "numpy" else batch
+            if watch:
+                faulthandler.cancel_dump_traceback_later()
+            yield out
+            if watch:
+                faulthandler.dump_traceback_later(every_s, repeat=True)
+    finally:
+        if watch:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def iter_batch_refs(
@@ -116,6 +146,7 @@ def iter_batch_refs(
     drop_last: bool = False,
     tensors: str = "numpy",
     num_cpus: float = 0.5,
+    stall_timeout_s: float | None = STALL_TIMEOUT_S,
 ) -> Iterator[ray.ObjectRef]:
     """``ray.ObjectRef``\\ s, each holding one collated verl batch of ``ds``, in the dataset's order.
 
@@ -128,7 +159,8 @@ def iter_batch_refs(
 
     Hand each ref to a rollout actor as a top-level argument (``actor.generate.remote(ref)``): Ray resolves it
     before the method runs. A pipeline error (e.g. ``BadRowError``) is stored in place of the next batch and raised
-    where that ref is resolved. Closing the iterator early cancels the producer.
+    where that ref is resolved. Closing the iterator early stops the producer. Where the producer makes no batch
+    within ``stall_timeout_s`` (None: wait for ever), it is stopped and ``ProducerStalledError`` names it.
     """
     from ingest.rowformat.collate import VerlCollate
 
@@ -138,20 +170,46 @@ def iter_batch_refs(
         raise ValueError(f"prefetch must be >= 1, got {prefetch}")
     if tensors not in TENSOR_FORMATS:
         raise ValueError(f"tensors must be one of {TENSOR_FORMATS}, got {tensors!r}")
+    if stall_timeout_s is not None and stall_timeout_s <= 0:
+        raise ValueError(f"stall_timeout_s must be > 0 or None, got {stall_timeout_s}")
     collate_fn = collate_fn if collate_fn is not None else VerlCollate()
     device = getattr(collate_fn, "device", None)
     if device is not None and str(device) != "cpu":
         raise ValueError(f"collate_fn moves tensors to {device!r}: batches for refs are collated on the CPU")
     producer = _produce_batches.options(num_cpus=num_cpus, _generator_backpressure_num_objects=prefetch)
-    generator = producer.remote(ds, batch_size, collate_fn, drop_last, tensors)
+    generator = producer.remote(ds, batch_size, collate_fn, drop_last, tensors, stall_timeout_s)
     finished = False
     try:
-        for ref in generator:  # noqa: UP028 (yield from would forward close() to Ray's generator, which refuses it)
+        where = ray.get(_next_ref(generator, stall_timeout_s, None, 0))
+        for batches in itertools.count():
+            ref = _next_ref(generator, stall_timeout_s, where, batches)
+            if ref is None:
+                break
             yield ref
         finished = True
     finally:
+        # Stopped by killing its process (force): Ray's plain cancel raises KeyboardInterrupt at whatever line the
+        # producer's main thread runs, which can leave a lock held (a logging handler's, between its acquire and its
+        # try), and Ray reuses that worker: a later producer's threads then wait on that lock for ever.
         if not finished:
-            ray.cancel(generator)
+            ray.cancel(generator, force=True)
+
+
+def _next_ref(generator, timeout_s: float | None, where: dict | None, batches: int) -> ray.ObjectRef | None:
+    """The producer's next ref (None at its end), or ``ProducerStalledError`` after ``timeout_s`` without one."""
+    ready, _ = ray.wait([generator], timeout=timeout_s)
+    if not ready:
+        task = generator.completed().task_id().hex()
+        process = f"pid {where['pid']} on {where['node_ip']}" if where else "it did not start"
+        raise ProducerStalledError(
+            f"iter_batch_refs: its producer task {task} ({process}) made no batch in {timeout_s:g} s after {batches} "
+            "batches, and is stopped; its threads' stacks are in that worker's log (python-core-worker-*.err / "
+            "worker-*.err of that pid). Raise stall_timeout_s where a batch may take longer."
+        )
+    try:
+        return next(generator)
+    except StopIteration:
+        return None
 
 
 def split_for_rollout(ds, n: int, *, equal: bool = False, locality_hints: list[str] | None = None) -> list:

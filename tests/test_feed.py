@@ -13,10 +13,11 @@ import ray
 import torch
 from PIL import Image
 from ray import cloudpickle
+from ray.data.collate_fn import NumpyBatchCollateFn
 
 from ingest import VerlCollate, build_dataset, iter_batch_refs
 from ingest.demo import write_gsm8k_parquet
-from ingest.feed import batch_to_numpy, batch_to_torch, split_for_rollout
+from ingest.feed import ProducerStalledError, batch_to_numpy, batch_to_torch, split_for_rollout
 from tests.support.batches import collect
 from tests.support.compare import assert_same, assert_same_batches
 from tests.support.tiers import slow
@@ -236,6 +237,68 @@ def test_closing_the_iterator_early_cancels_the_producer(ray_session, text_ds):
     time.sleep(2.0)
     assert ray.get(counter.value.remote()) < 25  # cancelled, not run to the end once nobody reads its refs
     assert len(ray.get(first)["index"]) == 8  # refs already handed out stay valid
+
+
+class PidCollate(VerlCollate):
+    """``VerlCollate`` that adds the collating process's pid (the producer task's) to each batch."""
+
+    def __call__(self, batch):
+        import os
+
+        return {**super().__call__(batch), "producer_pid": np.array([os.getpid()])}
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie) within ``timeout``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_producer_stopped_early_leaves_no_process_for_ray_to_reuse(ray_session, text_ds):
+    """Ray's plain cancel raises KeyboardInterrupt wherever the producer's main thread is, which can leave a lock held
+    (a logging handler's, between its acquire and its try), and Ray runs its next task in that process: a later
+    producer's threads then waited on that lock for ever. Closing the iterator early ends the producer's process."""
+    refs = iter_batch_refs(text_ds, 8, collate_fn=PidCollate(), prefetch=1)
+    pid = int(ray.get(next(refs))["producer_pid"][0])
+    refs.close()
+    assert _gone(pid), f"the producer's process {pid} is still there for Ray to reuse"
+
+
+class PlainCollate(NumpyBatchCollateFn):
+    def __call__(self, batch):
+        return dict(batch)
+
+
+def _stall_in_the_last_block(batch: dict) -> dict:
+    if batch["id"][0] >= 48:
+        time.sleep(60)
+    return batch
+
+
+def test_a_stalled_producer_ends_in_an_error_naming_it(ray_session):
+    """A producer that makes no batch within ``stall_timeout_s`` is stopped, and the consumer gets an error naming
+    its task, process and node instead of waiting for ever; the batches made before it are handed out."""
+    ds = ray.data.range(64, override_num_blocks=4).map_batches(_stall_in_the_last_block, batch_size=16)
+    ds.context.execution_options.preserve_order = True
+    handed_out = []
+    with pytest.raises(
+        ProducerStalledError, match=r"producer task \w+ \(pid \d+ on [\d.]+\) made no batch in 10 s"
+    ) as stalled:
+        for ref in iter_batch_refs(ds, 16, collate_fn=PlainCollate(), stall_timeout_s=10):
+            handed_out.extend(ray.get(ref)["id"])
+    assert handed_out and handed_out == list(
+        range(len(handed_out))
+    )  # in order, the stalled block's rows not among them
+    assert len(handed_out) <= 48 and f"after {len(handed_out) // 16} batches" in str(stalled.value)
 
 
 @slow

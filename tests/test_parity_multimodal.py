@@ -19,7 +19,7 @@ from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_media_rows
-from tests.support.tiers import slow
+from tests.support.tiers import first_in_matrix, slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import IMAGE_KINDS, encode_image, make_image
 
@@ -51,7 +51,7 @@ def _ours(files, model_dir, config, **extra):
 
 
 @slow
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[str(c) for c in CONFIGS])
+@pytest.mark.parametrize("index", first_in_matrix(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS]))
 def test_multimodal_rows_equal_verl(ray_session, geo3k_files, model_dir, oracle_mm, index):
     expected = oracle_mm[index]
     assert "error" not in expected, expected.get("error")

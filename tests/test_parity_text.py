@@ -34,7 +34,7 @@ def oracle_runs(variety_files, model_dir, tmp_path_factory):
     return run_verl("rows", variety_files, model_dir, None, configs=configs, batch_size=BATCH)["runs"]
 
 
-@pytest.mark.parametrize("index", first_fast(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS]))
+@pytest.mark.parametrize("index", first_fast(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS], matrix=True))
 def test_rows_equal_verl(ray_session, variety_files, model_dir, oracle_runs, index):
     expected = oracle_runs[index]
     assert "error" not in expected, expected.get("error")

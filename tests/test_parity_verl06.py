@@ -13,7 +13,7 @@ from ingest import DataConfig, VerlCollate, build_dataset
 from ingest.demo import gsm8k_rows
 from tests.support import formats
 from tests.support.compare import assert_same_batches
-from tests.support.tiers import first_fast, slow
+from tests.support.tiers import first_fast, first_in_matrix, slow
 from tests.test_parity_text import BATCH, CONFIGS
 from tools.oracle import oracle_available
 from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir, write_video_parquet
@@ -37,7 +37,7 @@ def oracle_runs(variety_files, model_dir, tmp_path_factory):
     return _verl(variety_files, model_dir, CONFIGS, tmp_path_factory.mktemp("verl-cache"))
 
 
-@pytest.mark.parametrize("index", first_fast(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS]))
+@pytest.mark.parametrize("index", first_fast(range(len(CONFIGS)), ids=[str(c) for c in CONFIGS], matrix=True))
 def test_text_rows_equal_verl_06(ray_session, variety_files, model_dir, oracle_runs, index):
     expected = oracle_runs[index]
     assert "error" not in expected, expected.get("error")
@@ -82,7 +82,7 @@ _FAMILIES = {"qwen2.5-vl": qwen25_vl_model_dir, "qwen3-vl": qwen3_vl_model_dir}
 
 
 @slow
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", first_in_matrix(["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]))
 def test_image_rows_equal_verl_06(ray_session, geo3k_files, model_dir, tmp_path_factory, family):
     """Every image kind through the processor path: (4, M) positions (a text row, pads 1, over the three rope rows),
     PIL images, ``pixel_values`` and grids exactly verl 0.6.1's; Qwen2.5-VL with its larger pixel budget, Qwen3-VL
@@ -129,7 +129,7 @@ def _with_reader(batches: list[dict], reader: str) -> list[dict]:
 
 
 @slow
-@pytest.mark.parametrize("name", list(VIDEO_CASES))
+@pytest.mark.parametrize("name", first_in_matrix(list(VIDEO_CASES)))
 def test_video_rows_equal_verl_06(ray_session, model_dir, tmp_path_factory, name):
     """verl 0.6's video rows: ``(frames, metadata)`` pairs with fetch_video's metadata (a file's fps, sampled frame
     numbers and frame count; a frame list's stand-in clock), the processor's video inputs and (4, M) positions. The

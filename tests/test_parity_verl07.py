@@ -17,7 +17,7 @@ from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_path_string_image_rows
-from tests.support.tiers import first_fast, slow
+from tests.support.tiers import first_fast, first_in_matrix, slow
 from tools.oracle import oracle_available
 from tools.samples import (
     geo3k_rows,
@@ -54,7 +54,7 @@ def _verl(files, model_dir, configs: list[dict], cache, processor=None) -> list[
     return formats.verl(files, model_dir, configs, cache, ROW_FORMAT, BATCH, processor)
 
 
-@pytest.mark.parametrize("processor", first_fast([False, True], ids=["tokenizer", "processor"]))
+@pytest.mark.parametrize("processor", first_fast([False, True], ids=["tokenizer", "processor"], matrix=True))
 def test_text_rows_equal_verl_07(ray_session, variety_files, model_dir, tmp_path, processor):
     """Text prompts; with a processor verl 0.7.1 measures them through it (``processor(text=...)``)."""
     proc = model_dir if processor else None
@@ -71,7 +71,7 @@ def image_runs(geo3k_files, model_dir, tmp_path_factory):
 
 
 @slow
-@pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
+@pytest.mark.parametrize("index", first_in_matrix(range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS]))
 def test_image_rows_equal_verl_07(ray_session, geo3k_files, model_dir, image_runs, index):
     """Every image kind (RGBA, L, P, CMYK, extreme sizes; several per row): the items are 0.9.1's, the filter
     counts each image as its one placeholder token."""
@@ -172,7 +172,8 @@ def test_audio_column_passes_through_in_verl_07(ray_session, model_dir, tmp_path
 
 @slow
 @pytest.mark.parametrize(
-    "family,kind,limit", [("qwen2-vl", "frames", 40), ("qwen2-vl", "file", 2048), ("qwen3-vl", "frames", 40)]
+    "family,kind,limit",
+    first_in_matrix([("qwen2-vl", "frames", 40), ("qwen2-vl", "file", 2048), ("qwen3-vl", "frames", 40)]),
 )
 def test_video_rows_equal_verl_07(ray_session, model_dir, tmp_path, family, kind, limit):
     """Video dicts (0.7.1 takes only those) become items of their own values; the filter counts each as its one

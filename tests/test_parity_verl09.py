@@ -19,7 +19,7 @@ from ingest.run import run_pipeline
 from tests.support import formats
 from tests.support.compare import assert_same_batches
 from tests.support.media import write_path_string_image_rows
-from tests.support.tiers import first_fast, slow
+from tests.support.tiers import first_fast, first_in_matrix, slow
 from tools.oracle import OracleServer, oracle_available
 from tools.samples import (
     geo3k_rows,
@@ -88,7 +88,7 @@ def text_runs(variety_files, model_dir, tmp_path_factory):
     return _verl(variety_files, model_dir, TEXT_CONFIGS, tmp_path_factory.mktemp("verl-cache"))
 
 
-@pytest.mark.parametrize("index", first_fast(range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS]))
+@pytest.mark.parametrize("index", first_fast(range(len(TEXT_CONFIGS)), ids=[str(c) for c in TEXT_CONFIGS], matrix=True))
 def test_text_rows_equal_verl_09(ray_session, variety_files, model_dir, text_runs, index):
     expected = text_runs[index]
     assert "error" not in expected, expected.get("error")
@@ -157,7 +157,7 @@ def image_runs(geo3k_files, model_dir, tmp_path_factory):
 
 
 @slow
-@pytest.mark.parametrize("index", range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS])
+@pytest.mark.parametrize("index", first_in_matrix(range(len(IMAGE_CONFIGS)), ids=[str(c) for c in IMAGE_CONFIGS]))
 def test_image_rows_equal_verl_09(ray_session, geo3k_files, model_dir, image_runs, index):
     """Every image kind (RGBA, L, P, CMYK, extreme sizes; several per row): RGB PIL images in the content items, the
     filter's expanded lengths from headers and the two resizes."""
@@ -340,7 +340,7 @@ def test_qwen3_vl_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kin
 
 @slow
 @pytest.mark.parametrize(
-    "kind,with_images,limit", [("frames", False, 700), ("file", False, 1100), ("frames", True, 2048)]
+    "kind,with_images,limit", first_in_matrix([("frames", False, 700), ("file", False, 1100), ("frames", True, 2048)])
 )
 def test_video_rows_equal_verl_09(ray_session, model_dir, tmp_path, kind, with_images, limit):
     """Video items are the row's own sources; the filter measures each video from its header (at 700 tokens

@@ -14,7 +14,7 @@ from ingest.stats import RunLedger
 from tests.support.batches import collect
 from tests.support.compare import assert_same_batches
 from tests.support.media import good_and_cut_video_files, needs_torchcodec, write_media_rows
-from tests.support.tiers import slow
+from tests.support.tiers import first_in_matrix, slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import make_video_file, write_video_parquet
 
@@ -41,7 +41,7 @@ def video_runs(model_dir, tmp_path_factory):
 
 
 @slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", first_in_matrix(list(CASES)))
 def test_video_rows_equal_verl(ray_session, model_dir, video_runs, name):
     files, config, expected = video_runs[name]
     assert "error" not in expected, expected.get("error")

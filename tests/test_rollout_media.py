@@ -24,7 +24,7 @@ from ingest.rollout_media import (
     parse_media_uri,
 )
 from ingest.verl.rollout_media import fetch_payload, fetch_payloads, handed_off, sample_media
-from tests.support.tiers import slow
+from tests.support.tiers import matrix, slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import rollout_model_dir
 
@@ -335,8 +335,21 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
     return cases
 
 
+def _verl09_check(item: pytest.Item) -> str | None:
+    """The check of the verl 0.9.1 oracle's agent-loop run that test ``item`` reads, if any."""
+    checks = {
+        "test_the_kernels_make_verls_payloads": "payloads",
+        "test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume": "lifetime",
+        "test_the_store_stays_within_the_window_over_a_long_run_with_stalls": "bound",
+    }
+    name = getattr(item, "originalname", item.name)
+    if name == "test_handed_off_media_give_verls_agent_loop_inputs":
+        return "compare" if item.callspec.params["row_format"] == "verl-0.9" else None
+    return checks.get(name)
+
+
 @pytest.fixture(scope="module")
-def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
+def verl09_checks(geo3k_files, model_dir, tmp_path_factory, request) -> dict:
     """The verl 0.9.1 oracle's agent-loop checks of this module (the comparison, the lifetime, the bound) in one
     process, each in a Ray session of its own: verl, transformers and torch are imported once. Each test reads its
     part (``specs`` and ``results`` by check)."""
@@ -344,11 +357,17 @@ def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
         pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
     root = tmp_path_factory.mktemp("verl-0.9-agent-loop")
     specs = {
-        "compare": {"check": "compare", "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir)},
-        "payloads": _payloads_spec(root / "payloads", geo3k_files, model_dir),
-        "lifetime": _lifetime_spec(root / "lifetime", model_dir),
-        "bound": _bound_spec(root / "bound", model_dir),
+        "compare": lambda: {
+            "check": "compare",
+            "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir),
+        },
+        "payloads": lambda: _payloads_spec(root / "payloads", geo3k_files, model_dir),
+        "lifetime": lambda: _lifetime_spec(root / "lifetime", model_dir),
+        "bound": lambda: _bound_spec(root / "bound", model_dir),
     }
+    # only the checks of the tests selected (the CI matrix runs the comparison alone)
+    wanted = {check for item in request.session.items if (check := _verl09_check(item))}
+    specs = {check: spec() for check, spec in specs.items() if check in wanted}
     result = run_verl(
         "agent_loop", [], model_dir, None, row_format="verl-0.9", timeout=3000, check="several", checks=specs
     )
@@ -356,6 +375,7 @@ def verl09_checks(geo3k_files, model_dir, tmp_path_factory) -> dict:
 
 
 @slow
+@matrix
 @pytest.mark.parametrize("row_format", list(HANDOFF_CASES))
 def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, tmp_path, row_format, request):
     """Images (Qwen2-VL) and videos beside images (Qwen2.5-VL, Qwen3-VL; frame lists and MPEG-4 files), each

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from ingest.demo import write_gsm8k_parquet
-from tests.support.tiers import first_fast
+from tests.support.tiers import first_fast, matrix
 from tools.oracle import oracle_available, oracle_environment
 
 ROWS_KEPT, BATCH, EPOCHS = 103, 8, 2  # 120 rows, every 7th too long for 160 tokens
@@ -43,6 +43,7 @@ CASES = {  # id: (row format of the oracle, trainer class verl builds, overrides
 }
 
 
+@matrix
 @pytest.mark.parametrize("case", first_fast(list(CASES)))
 def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
     row_format, trainer_name, release_overrides = CASES[case]

@@ -4,15 +4,19 @@ For each ``requirements/envs/<name>.txt`` (a verl release with the versions its 
 1. a venv ``.envs/<name>`` gets that file installed, as a user's verl environment would be;
 2. this repository's wheel goes in with plain ``pip install``; every package the venv had keeps its version, or the
    entry fails (pip's report names what the wheel would have changed);
-3. that release's parity tests, its trainer code with ``VerlDataLoader`` and ``python -m ingest.verl.main_ppo`` run
-   in the venv, from a copy of ``tests/`` and ``tools/`` without ``ingest/`` (so the wheel is what they import), with
-   the venv's own verl as the oracle (``INGEST_ORACLE_INSTALLED=1``; tools/oracle).
+3. that release's parity tests, its trainer code with ``VerlDataLoader``, ``python -m ingest.verl.main_ppo`` and,
+   where the release has an agent loop, the media hand-off against it run in the venv, from a copy of ``tests/`` and
+   ``tools/`` without ``ingest/`` (so the wheel is what they import), with the venv's own verl as the oracle
+   (``INGEST_ORACLE_INSTALLED=1``; tools/oracle).
 
-Usage: ``python -m tools.envs [NAME ...] [--keep]`` (all entries by default); ``make test-envs`` runs it. Each venv
-takes 6 to 8 GB (its own torch with CUDA libraries), so it is removed once its entry has run and pip's cache is not
-used. Two entries run at a time (``--lanes``), each with its own Ray temp dir and log, where the disk holds two venvs;
-else one. With ``--keep`` venvs stay and a later run reuses one while its
-requirements file and the versions it had before ray-ingest are unchanged.
+``--tier ci`` (``make test-envs-ci``, what CI runs) runs steps 1 and 2 and, of step 3, the tests marked ``matrix``:
+one parity case of each kind of row the release has, the hand-off and ``main_ppo`` up to placement.
+
+Usage: ``python -m tools.envs [NAME ...] [--tier ci] [--keep]`` (all entries by default); ``make test-envs`` runs
+it. Each venv takes 6 to 8 GB (its own torch with CUDA libraries), so it is removed once its entry has run and pip's
+cache is not used. Two entries run at a time (``--lanes``), each with its own Ray temp dir and log, where the disk
+holds two venvs; else one. With ``--keep`` venvs stay and a later run reuses one while its requirements file and the
+versions it had before ray-ingest are unchanged.
 """
 
 from __future__ import annotations
@@ -40,12 +44,15 @@ FREE_GB_NEEDED = 11
 # entry -> the test modules it runs: its release's parity tests (each skips what another release's oracle checks),
 # the trainer code with VerlDataLoader, and verl's launcher through python -m ingest.verl.main_ppo
 COMMON = ["tests/test_parity_tools.py", "tests/test_verl_trainer.py", "tests/test_verl_launcher.py"]
+HANDOFF = "tests/test_rollout_media.py::test_handed_off_media_give_verls_agent_loop_inputs"
 TESTS = {
     "verl-0.5": ["tests/test_parity_text.py", "tests/test_parity_multimodal.py", "tests/test_parity_video.py"],
     "verl-0.6": ["tests/test_parity_verl06.py"],
-    "verl-0.7": ["tests/test_parity_verl07.py"],
-    "verl-0.9": ["tests/test_parity_verl09.py"],
+    "verl-0.7": ["tests/test_parity_verl07.py", HANDOFF],
+    "verl-0.9": ["tests/test_parity_verl09.py", HANDOFF],
 }
+# the tier's pytest selection: "full" runs the modules whole, "ci" the tests marked `matrix` in them
+TIERS = {"full": [], "ci": ["-m", "matrix"]}
 
 
 def pip(python: Path, *args: object) -> list[object]:
@@ -239,12 +246,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"entries (default: all of {', '.join(TESTS)})")
     parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
     parser.add_argument("--keep", action="store_true", help="keep each venv for the next run (6 to 8 GB each)")
+    parser.add_argument("--tier", choices=sorted(TIERS), default="full", help="ci: the tests marked `matrix` only")
     parser.add_argument("--lanes", type=int, default=2, help="entries run at a time (default 2; 1 where disk is short)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(TESTS))
     if unknown:
         parser.error(f"no such entry: {', '.join(unknown)} (choose from {', '.join(TESTS)})")
-    args.names, args.pytest = args.names or sorted(TESTS), args.pytest.split()
+    args.names, args.pytest = args.names or sorted(TESTS), TIERS[args.tier] + args.pytest.split()
     return args
 
 
@@ -326,7 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in sorted(outcomes, key=lambda o: o.entry.name):
         print(f"  {outcome.line()}")
     print(f"  {lanes} at a time: {time.monotonic() - started:.0f} s in all")
+    record_phases(outcomes)
     return 0 if all(outcome.ok for outcome in outcomes) else 1
+
+
+def record_phases(outcomes: list[Outcome]) -> None:
+    """Each entry's seconds (its venv's among them) in the file ``.ci/run`` reports its phases from, where set."""
+    phases = os.environ.get("CI_PHASES_FILE")
+    if not phases:
+        return
+    with open(phases, "a") as out:
+        for outcome in sorted(outcomes, key=lambda o: o.entry.name):
+            name = f"  matrix {outcome.entry.name} (venv {outcome.entry.built_s:.0f} s)"
+            out.write(f"{name:34} {outcome.seconds:6.0f} s{'' if outcome.ok else '  FAILED'}\n")
 
 
 if __name__ == "__main__":
