@@ -197,7 +197,8 @@ def iter_batch_refs(
 
 def _next_ref(generator, timeout_s: float | None, where: dict | None, batches: int) -> ray.ObjectRef | None:
     """The producer's next ref (None at its end), or ``ProducerStalledError`` after ``timeout_s`` without one."""
-    ready, _ = ray.wait([generator], timeout=timeout_s)
+    # fetch_local=False: the batch stays where the producer stored it (the rollout workers fetch it, not this node)
+    ready, _ = ray.wait([generator], timeout=timeout_s, fetch_local=False)
     if not ready:
         task = generator.completed().task_id().hex()
         process = f"pid {where['pid']} on {where['node_ip']}" if where else "it did not start"

@@ -247,6 +247,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pytest", default="", help="more pytest arguments, e.g. '-x -k text'")
     parser.add_argument("--keep", action="store_true", help="keep each venv for the next run (6 to 8 GB each)")
     parser.add_argument("--tier", choices=sorted(TIERS), default="full", help="ci: the tests marked `matrix` only")
+    parser.add_argument(
+        "--prepare", action="store_true", help="only build the entries' own environments, kept for a later run"
+    )
     parser.add_argument("--lanes", type=int, default=2, help="entries run at a time (default 2; 1 where disk is short)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(TESTS))
@@ -304,8 +307,30 @@ def run_entry(name: str, wheel: Path, extra: list[str], keep: bool, log: TextIO 
     return Outcome(entry, problem, counts, time.monotonic() - started)
 
 
+def prepare_environments(names: list[str]) -> int:
+    """Each entry's own environment (its requirements, no ray-ingest), built one after another and kept, for a run
+    later that finds it ready: ``.ci/run`` builds them while ``make test-all`` runs (they are mostly downloads, the
+    tests mostly CPU). An entry the disk has no room for, or whose install fails, is left to that run."""
+    VENVS.mkdir(exist_ok=True)
+    for name in names:
+        started = time.monotonic()
+        if free_gb(VENVS.parent) < FREE_GB_NEEDED + 4:  # leave the tests room for their files
+            print(f"{name}: {free_gb(VENVS.parent):.1f} GB free; left to the run", flush=True)
+            continue
+        try:
+            user_environment(name)
+        except subprocess.CalledProcessError as exc:
+            print(f"{name}: {' '.join(map(str, exc.cmd[:6]))} ... failed ({exc.returncode}); left to the run")
+            shutil.rmtree(VENVS / name, ignore_errors=True)
+            continue
+        print(f"{name}: its environment is ready ({time.monotonic() - started:.0f} s)", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.prepare:
+        return prepare_environments(args.names)
     wheel = build_wheel()
     started = time.monotonic()
     # Two entries at a time where the disk holds two venvs: one's downloads and its tests' waits (subprocesses, Ray
