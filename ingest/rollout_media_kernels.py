@@ -1,8 +1,8 @@
 """A prompt's hand-off payload (``ingest.rollout_media``) made with the pipeline's own kernels, with no verl,
 transformers or torch in the process: image prompts of Qwen-VL models whose image processor options the kernels
-implement (``ImagePixels.supports``) and no ``mm_processor_kwargs``. ``KernelMediaMaker.make`` returns None for any
-other prompt (videos, audio, an item's own pixel options), which the stage then makes with verl's functions
-(``PromptMediaMaker``).
+implement (``ImagePixels.supports``) and no ``mm_processor_kwargs``, where transformers 5 or later is installed.
+``KernelMediaMaker.make`` returns None for any other prompt (videos, audio, an item's own pixel options), which the
+stage then makes with verl's functions (``PromptMediaMaker``).
 
 The steps are verl's agent loop's, each done as the code it stands for does it (the agent-loop oracle tests compare
 the result with verl's own, key by key and bit by bit):
@@ -33,6 +33,22 @@ from ingest.tokenizer.chat import ChatTokenizer
 # the model types whose processors these kernels stand for (verl 0.9's Qwen VL continuous-token builder, verl 0.7's
 # processor path), proven by the oracle tests
 KERNEL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+# the transformers whose processors' outputs the kernels make: 5 adds mm_token_type_ids, which 4.57's lack (verl 0.7.1's
+# own environment): under an older one verl's functions make the payload, as that release's processor does
+KERNEL_TRANSFORMERS_MAJOR = 5
+
+
+def kernels_serve_installed_transformers() -> bool:
+    """Whether the installed transformers' processors give the outputs the kernels make (read from its metadata, not
+    imported: the kernels' actors never import it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0]) >= KERNEL_TRANSFORMERS_MAJOR
+    except (PackageNotFoundError, ValueError):
+        return False
+
+
 _PLAIN_IMAGE_ITEM = frozenset({"type", "image"})  # an item with other keys (min_pixels, ...) goes to verl's functions
 
 
@@ -68,6 +84,8 @@ class KernelMediaMaker:
         """The maker for the model folder ``model_path`` and verl's ``data`` section, None where the kernels do not
         stand for its processor."""
         if _model_type(model_path) not in KERNEL_MODEL_TYPES or data.get("mm_processor_kwargs"):
+            return None
+        if not kernels_serve_installed_transformers():
             return None
         pixels = ImagePixels.from_dir(model_path)
         return None if pixels is None else cls(model_path, pixels, data.get("apply_chat_template_kwargs") or {})

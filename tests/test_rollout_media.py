@@ -23,6 +23,7 @@ from ingest.rollout_media import (
     media_uri,
     parse_media_uri,
 )
+from ingest.rollout_media_kernels import kernels_serve_installed_transformers
 from ingest.verl.rollout_media import fetch_payload, fetch_payloads, handed_off, sample_media
 from tests.support.tiers import matrix, slow
 from tools.oracle import oracle_available, run_verl
@@ -109,6 +110,24 @@ def test_a_payload_travels_as_plain_data_and_comes_back_equal():
     expected = torch.from_numpy(patches).float().repeat_interleave(2, 0).view(6, 2, 3, 196).transpose(1, 2)
     expected = (expected - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     assert values.dtype == torch.float32 and torch.equal(values, expected.reshape(6, -1))
+
+
+def test_the_kernels_make_image_prompts_under_transformers_5_only(model_dir, tmp_path, monkeypatch):
+    """transformers 4.57's Qwen-VL processors (verl 0.7.1's own environment) give no ``mm_token_type_ids``, which the
+    kernels make: there verl's functions make the payloads, as that release's processor does."""
+    import importlib.metadata
+
+    from ingest.rollout_media_kernels import KernelMediaMaker
+
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    assert kernels_serve_installed_transformers()  # this environment's transformers 5
+    assert KernelMediaMaker.for_model(model, {}) is not None
+    installed = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "4.57.1" if name == "transformers" else installed(name)
+    )
+    assert not kernels_serve_installed_transformers()
+    assert KernelMediaMaker.for_model(model, {}) is None
 
 
 def test_media_handoff_is_for_the_agent_loops_rows():
@@ -415,8 +434,9 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
         counts = outcome["handoff_counts"]
         renders = prompts * n if agent == "tool_agent" else 0
         assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (case["case"], counts)
-        # image prompts: made by the pipeline's kernels; with videos: by verl's functions in the vision actors
-        maker = "kernels" if media == "images" else "verl"
+        # image prompts: made by the pipeline's kernels (under transformers 5: 4.57's processors give no
+        # mm_token_type_ids); with videos: by verl's functions in the vision actors
+        maker = "kernels" if media == "images" and kernels_serve_installed_transformers() else "verl"
         assert counts["made_by"][maker] > 0 and sum(counts["made_by"].values()) == counts["made_by"][maker], counts
         raw_prompt = outcome["last_raw_prompt"][0]
         items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
