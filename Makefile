@@ -53,39 +53,41 @@ PYTEST := $(RAY_MONITORS) LD_LIBRARY_PATH=$$($(PY) -m ingest ffmpeg-libdir)$${LD
 # $(call RECORD,NAME,START): where CI_PHASES_FILE is set (.ci/run), add NAME's seconds since START (date +%s) to it
 RECORD = [ -z "$$CI_PHASES_FILE" ] || printf '%-34s %6d s\n' $(1) $$(( $$(date +%s) - $(2) )) >> "$$CI_PHASES_FILE"
 
+# The tiers run three pytests at once, each with a Ray temp dir of its own (no `ray start` head of one is then "the"
+# cluster of this machine for another): the main one, and two lanes of the modules that spend their time in
+# subprocesses (clusters, verl's trainers and launcher, CLI runs) or in waits (S3 retries), with two more of the main
+# ones to even the lanes out. With one side lane a core stood idle for minutes at the end. The lanes' reports follow
+# the main one.
+SIDE_A := tests/test_rollout_media.py tests/test_resume.py tests/test_faults_s3.py tests/test_object_store_pressure.py \
+	tests/test_sft_dataset.py tests/test_elastic_resume.py tests/test_cli.py
+SIDE_B := tests/test_node_loss.py tests/test_layout.py tests/test_verl_trainer.py tests/test_verl_launcher.py \
+	tests/test_cluster.py
+SIDE_TESTS := $(SIDE_A) $(SIDE_B)
+# $(call SIDE_LANE,TIER,LANE,TESTS,ARGS): a side pytest in the background, its output in out/TIER-LANE.log
+SIDE_LANE = ( RAY_TMPDIR=/tmp/ingest-tests-$(2) $(PYTEST) -p no:cacheprovider --durations=10 $(4) $(3) \
+	> out/$(1)-$(2).log 2>&1; rc=$$?; $(call RECORD,"  $(1): $(2) pytest",$$started); exit $$rc ) & $(2)=$$!;
+# $(call LANES,TIER,ARGS): the tier's three pytests (pytest ARGS: the tier's selection), failing if any fails
+LANES = mkdir -p out; started=$$(date +%s); \
+	$(call SIDE_LANE,$(1),side_a,$(SIDE_A),$(2)) \
+	$(call SIDE_LANE,$(1),side_b,$(SIDE_B),$(2)) \
+	$(PYTEST) --durations=25 $(2) $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
+	$(call RECORD,"  $(1): main pytest",$$started); \
+	wait $$side_a; a=$$?; wait $$side_b; b=$$?; \
+	echo "== $(SIDE_A)"; cat out/$(1)-side_a.log; echo "== $(SIDE_B)"; cat out/$(1)-side_b.log; \
+	exit $$(( main || a || b ))
+
 # The fast tier: every module, one parity case per row format against its own verl; tests marked `slow` wait for
 # test-all.
 test: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(BYTECODE)
-	$(PYTEST) --durations=15 -m "not slow" tests
+	$(call LANES,test,-m "not slow")
 
-# Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs, in three pytests at
-# once, each with a Ray temp dir of its own (no `ray start` head of one is then "the" cluster of this machine for
-# another): the main one, and two lanes of the modules that spend their time in subprocesses (clusters, verl's trainers
-# and launcher, CLI runs) or in waits (S3 retries), with two more of the main ones to even the lanes out. With two
-# lanes one core stood idle for minutes at the end. Their reports follow the main one.
-SIDE_A := tests/test_rollout_media.py tests/test_resume.py tests/test_faults_s3.py tests/test_object_store_pressure.py \
-	tests/test_sft_dataset.py tests/test_elastic_resume.py \
-	tests/test_cli.py
-SIDE_B := tests/test_node_loss.py tests/test_layout.py tests/test_verl_trainer.py tests/test_verl_launcher.py \
-	tests/test_cluster.py
-SIDE_TESTS := $(SIDE_A) $(SIDE_B)
-# $(call SIDE_LANE,NAME,TESTS): a side pytest in the background, its output in out/test-all-NAME.log, its pid in $$NAME
-SIDE_LANE = ( RAY_TMPDIR=/tmp/ingest-tests-$(1) $(PYTEST) -p no:cacheprovider --durations=10 $(2) \
-	> out/test-all-$(1).log 2>&1; rc=$$?; $(call RECORD,"  test-all: $(1) pytest",$$started); exit $$rc ) & $(1)=$$!;
+# Everything: the clusters, node loss, job submission, every parity case and the long fuzz runs.
 test-all: $(STAMP) $(ORACLES)
 	$(PY) -m ruff check ingest actors tests tools
 	$(BYTECODE)
-	@mkdir -p out
-	started=$$(date +%s); \
-	$(call SIDE_LANE,side_a,$(SIDE_A)) \
-	$(call SIDE_LANE,side_b,$(SIDE_B)) \
-	$(PYTEST) --durations=25 $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
-	$(call RECORD,"  test-all: main pytest",$$started); \
-	wait $$side_a; a=$$?; wait $$side_b; b=$$?; \
-	echo "== $(SIDE_A)"; cat out/test-all-side_a.log; echo "== $(SIDE_B)"; cat out/test-all-side_b.log; \
-	exit $$(( main || a || b ))
+	$(call LANES,test-all,)
 
 # The environment matrix: this package's wheel installed with plain pip into each verl release's own environment
 # (requirements/envs/), which it must leave unchanged, then that release's parity, trainer and launcher tests there.

@@ -166,6 +166,18 @@ def _handoff_worker_class():
     return HandoffWorker
 
 
+def _shutdown_ray() -> None:
+    """``ray.shutdown()`` once the loaders a check left mid-read are collected: such a read's iterator sits in a
+    reference cycle, and its Ray Data threads (the prefetcher) would outlive the shutdown; Ray 2.55 (verl 0.7.1's own
+    environment) ends the process with an error when one of them calls Ray after it."""
+    import gc
+
+    import ray
+
+    gc.collect()
+    ray.shutdown()
+
+
 def compare_cases(spec: dict) -> dict:
     """``compare_on_loader_rows`` for each of ``spec["cases"]`` (files, model, data and the rest of a spec), in one
     process and one Ray session."""
@@ -176,7 +188,7 @@ def compare_cases(spec: dict) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]
-    ray.shutdown()
+    _shutdown_ray()
     return {"cases": results}
 
 
@@ -311,7 +323,7 @@ def lifetime(spec: dict) -> dict:
     before = ray.get(fetch.remote(name, keys_again[0]))
     ray.kill(resumed.held_media.store)
     gone = ray.get(fetch.remote(name, keys_again[1]))
-    ray.shutdown()
+    _shutdown_ray()
     return {
         "sizes": sizes,
         "rows": sum(len(k) for k in keys),
@@ -381,7 +393,7 @@ def bound(spec: dict) -> dict:
         done = ray.get(rollout.resolve.remote(list(batch["raw_prompt"]), spec["n"]))
         rows, samples, cpu_s = rows + len(batch["raw_prompt"]), samples + done["samples"], cpu_s + done["cpu_s"]
     end = loader.held_media.stats()
-    ray.shutdown()
+    _shutdown_ray()
     return {"rows": rows, "samples": samples, "rollout_cpu_s": cpu_s, "stalls": stalls, "end": end}
 
 
@@ -534,7 +546,7 @@ def bench_side(spec: dict) -> dict:
         "controller_children_cpu_s": round(children.children_user + children.children_system, 2),
         "controller_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    ray.shutdown()
+    _shutdown_ray()
     return result
 
 
@@ -580,7 +592,7 @@ def payloads(spec: dict) -> dict:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     loader = VerlDataLoader(spec["files"], spec["models"][0], config, 16, spec["models"][0], drop_last=False)
     prompts = [list(messages) for batch in loader for messages in batch["raw_prompt"]]
-    ray.shutdown()
+    _shutdown_ray()
     data = verl_data_section(DataConfig(**config))
     results = {}
     for model in spec["models"]:
