@@ -225,7 +225,7 @@ def run_pipeline(
     # the ledger lives on the driver's node: the run then outlives any other node, and that node goes only with it
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     ledger = RunLedger.options(scheduling_strategy=here).remote(run_id)
-    layout = cluster_layout(cfg, media=processor is not None)
+    layout = cluster_layout(cfg, media=processor is not None, plan=plan)
     cfg = layout.apply(cfg)
     ds = build_dataset(plan.files, tokenizer, cfg, processor=processor, ledger=ledger, plan=plan)
     summary = RunSummary(rows_in=plan.num_rows, files=len(plan.files), output_dir=output, run_id=run_id)

@@ -15,7 +15,14 @@ import yaml
 
 from ingest import build_dataset
 from ingest.config import DataConfig
-from ingest.datasets.layout import ONE_POOL_MAX_CPUS, SEPARATE_POOL_SIZE, choose_layout, driver_keeps_epoch
+from ingest.datasets.layout import (
+    ONE_POOL_MAX_CPUS,
+    SEPARATE_POOL_SIZE,
+    TEXT_ROWS_PER_ACTOR,
+    choose_layout,
+    driver_keeps_epoch,
+    fit_to_input,
+)
 from ingest.demo import write_gsm8k_parquet
 from tests.support.cluster import ROOT, cluster_env, free_port, ingest_run_on, start_head, stop_cluster
 from tests.support.tiers import slow
@@ -75,6 +82,34 @@ def test_text_rows_get_one_tokenizer_actor_per_cpu_but_the_consumers():
     # media rows keep two tokenizer actors unless set
     assert choose_layout(DataConfig(), {"CPU": 16}).tokenizer_pool_max_size == SEPARATE_POOL_SIZE
     assert choose_layout(DataConfig(tokenizer_pool_max_size=3), {"CPU": 2}).tokenizer_pool_max_size == 3
+
+
+def test_no_pool_is_larger_than_its_input_can_keep_busy():
+    """An actor takes whole read units: at most one per unit; text rows one per ``TEXT_ROWS_PER_ACTOR`` rows (a
+    further actor's start costs more than its share of a smaller input). The user's sizes and min sizes stay."""
+    text = choose_layout(DataConfig(), {"CPU": 16}, media=False)
+    small = fit_to_input(text, DataConfig(), units=9, rows=2_000, media=False)
+    assert small.tokenizer_pool_max_size == 1 and small.reason.endswith("2,000 rows (one actor per 8,192): at most 1")
+    assert small.reason.startswith(text.reason)  # the cluster's layout, then the input's cap
+    assert (
+        fit_to_input(text, DataConfig(), units=9, rows=3 * TEXT_ROWS_PER_ACTOR, media=False).tokenizer_pool_max_size
+        == 3
+    )
+    assert fit_to_input(text, DataConfig(), units=4, rows=10**6, media=False).tokenizer_pool_max_size == 4
+    assert fit_to_input(text, DataConfig(), units=200, rows=10**6, media=False) == text  # 15 actors have work
+    at_least = DataConfig(tokenizer_pool_min_size=2)
+    assert fit_to_input(choose_layout(at_least, {"CPU": 16}, media=False), at_least, units=1, rows=10, media=False
+                        ).tokenizer_pool_max_size == 2  # fmt: skip
+    explicit = choose_layout(DataConfig(tokenizer_pool_max_size=6), {"CPU": 16}, media=False)
+    assert fit_to_input(explicit, DataConfig(tokenizer_pool_max_size=6), units=1, rows=10, media=False) == explicit
+    # media rows: by read units only (an image row costs far more than a text row); a stage in the actors before it
+    # (size 0) stays there
+    separate = choose_layout(DataConfig(), {"CPU": 16})
+    media = fit_to_input(separate, DataConfig(), units=1, rows=30, media=True)
+    assert (media.tokenizer_pool_max_size, media.decode_pool_max_size, media.vision_pool_max_size) == (1, 1, 1)
+    assert fit_to_input(separate, DataConfig(), units=6, rows=30, media=True) == separate
+    one_pool = fit_to_input(choose_layout(DataConfig(), {"CPU": 4}), DataConfig(), units=1, rows=30, media=True)
+    assert (one_pool.tokenizer_pool_max_size, one_pool.decode_pool_max_size, one_pool.vision_pool_max_size) == (1, 0, 0)
 
 
 def test_the_driver_keeps_an_epoch_only_where_the_actors_would_be_slower():
@@ -234,7 +269,9 @@ def test_larger_cluster_and_gpu_vision_get_separate_pools(geo3k_files, variety_f
         )
     finally:
         stop_cluster(port)
-    assert text_default["tokenizer_pool_max_size"] == 7 and text_default["layout"].startswith("text (8 CPUs: up to 7")
+    # 8 CPUs: up to 7 tokenizer actors, and one for the 210 rows here (``fit_to_input``)
+    assert text_default["layout"].startswith("text (8 CPUs: up to 7") and "210 rows" in text_default["layout"]
+    assert text_default["tokenizer_pool_max_size"] == 1
     assert text_set["tokenizer_pool_max_size"] == 2 and text_set["layout"] == "config (pool size set in the config)"
     assert text_default["rows_out"] == text_set["rows_out"] > 0 and text_default["accounted"]
     assert default["tokenizer_pool_max_size"] == 2

@@ -9,6 +9,11 @@ a pool of its own. On a small CPU-only cluster every extra actor process costs a
 copy of the pixels, and the one pool is faster; with more cores, or GPU vision actors, stages scale apart
 (docs/benchmarks.md has the measurements behind the threshold). Sizes set in the config always win.
 
+No pool is larger than its input can keep busy (``fit_to_input``): an actor takes whole read units, so a pool has at
+most one per unit; a text pool at most one per ``TEXT_ROWS_PER_ACTOR`` rows, since an actor's start (a process, Ray
+Data, the tokenizer: 1-2 s of CPU) costs more than the rows it would take from the others below that. A validation
+set of a few thousand rows then gets one tokenizer actor, not one per CPU (figures in docs/benchmarks.md).
+
 Where the driver makes an epoch's first rows while the cluster starts (``datasets/handoff.py``), text rows on a
 cluster whose layout is a single tokenizer actor stay in the driver for the whole epoch: that actor plus the driver's
 collate make fewer rows/s than the driver alone, and its process costs memory. So do media rows on a CPU-only
@@ -23,6 +28,8 @@ from collections.abc import Mapping
 
 from ingest.config import SEPARATE_POOL_SIZE, DataConfig
 
+# a text tokenizer actor for each this many rows of the input (about two seconds of one actor's tokenizing)
+TEXT_ROWS_PER_ACTOR = 8192
 # a CPU-only cluster with at most this many CPUs gets the one-pool layout
 ONE_POOL_MAX_CPUS = 4
 # media rows stay in the driver (two threads) on a cluster with at most this many CPUs (measured on 2)
@@ -76,6 +83,24 @@ def choose_layout(cfg: DataConfig, resources: Mapping[str, float], *, media: boo
         return Layout("one-pool", reason, tokenizer, 0, 0)
     reason = f"{cpus:g} CPUs > {ONE_POOL_MAX_CPUS}: decode and vision pools of their own"
     return Layout("separate", reason, tokenizer, SEPARATE_POOL_SIZE, SEPARATE_POOL_SIZE)
+
+
+def fit_to_input(layout: Layout, cfg: DataConfig, *, units: int, rows: int, media: bool) -> Layout:
+    """``layout`` with no pool larger than an input of ``units`` read units and ``rows`` rows can keep busy: at most
+    one actor per unit, and for text rows one per ``TEXT_ROWS_PER_ACTOR`` rows (a pool's min size stays). Sizes the
+    user set are kept as they are."""
+    if layout.name == "config":
+        return layout
+    cap = units if media else min(units, -(-rows // TEXT_ROWS_PER_ACTOR))
+    sizes = {}
+    for pool in ("tokenizer", "decode", "vision"):
+        size = getattr(layout, f"{pool}_pool_max_size")
+        sizes[f"{pool}_pool_max_size"] = max(min(size, cap), getattr(cfg, f"{pool}_pool_min_size")) if size else 0
+    if all(sizes[name] == getattr(layout, name) for name in sizes):
+        return layout
+    what = "read units" if media else f"rows (one actor per {TEXT_ROWS_PER_ACTOR:,})"
+    amount = units if media else rows
+    return dataclasses.replace(layout, **sizes, reason=f"{layout.reason}; {amount:,} {what}: at most {max(cap, 1)}")
 
 
 def driver_keeps_epoch(cfg: DataConfig, resources: Mapping[str, float], *, media: bool) -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from ingest.config import DataConfig
-from ingest.datasets.layout import Layout, choose_layout
+from ingest.datasets.layout import Layout, choose_layout, fit_to_input
 from ingest.datasets.plan import FilesArg, InputPlan, check_model_path, check_row_format, plan_input
 from ingest.datasets.pools import actor_kwargs, ensure_ray, map_on_pool, read_units_into_pool
 
@@ -50,7 +50,7 @@ def build_dataset(
     check_row_format(cfg, processor)
     from actors import DecodeActor, TokenizeActor, VisionActor
 
-    cfg = cluster_layout(cfg, media=processor is not None).apply(cfg)
+    cfg = cluster_layout(cfg, media=processor is not None, plan=plan).apply(cfg)
     context = plan.context(ledger, keep_provenance, cfg.image_key)
     if cfg.media_handoff:
         if media_store is None:
@@ -73,11 +73,13 @@ def build_dataset(
     return map_on_pool(ds, cfg, "vision", VisionActor, media)
 
 
-def cluster_layout(cfg: DataConfig, *, media: bool = True) -> Layout:
-    """The pools' layout for ``cfg`` (media rows or text rows) on the cluster this process joins (logged when chosen
-    here)."""
+def cluster_layout(cfg: DataConfig, *, media: bool = True, plan: InputPlan | None = None) -> Layout:
+    """The pools' layout for ``cfg`` (media rows or text rows) on the cluster this process joins, no pool larger than
+    ``plan``'s input can keep busy (logged when chosen here)."""
     ensure_ray()
     layout = choose_layout(cfg, ray.cluster_resources(), media=media)
+    if plan is not None:
+        layout = fit_to_input(layout, cfg, units=len(plan.units), rows=plan.num_rows, media=media)
     if layout.name != "config":  # a choice made here, not the user's: say which and why
         logger.info("%s layout: %s", "media" if media else "text", layout.describe())
     return layout
