@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ingest.memory import ARROW_MEMORY_POOLS, DEFAULT_ARROW_MEMORY_POOL
@@ -333,3 +333,20 @@ class StageContext:
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))
         object.__setattr__(self, "files_without_image_feature", frozenset(self.files_without_image_feature))
+
+    def images_turned(
+        self, file_of_row: Sequence[int] | None, num_rows: int, *, plain_structs_turned: bool
+    ) -> list[bool]:
+        """Per row (``file_of_row``: each row's file index; None: unknown, an ``Image()`` column assumed): whether
+        verl gets its images turned by their EXIF Orientation, as HF datasets' ``Image()`` decode turns them (where
+        the installed datasets does: ``media.image.datasets_turns_images``). A plain ``{bytes, path}`` struct verl
+        opens itself, unturned; ``plain_structs_turned`` (verl 0.5, which fails on one, and gets what an ``Image()``
+        column would give) turns them too."""
+        from ingest.media.image import datasets_turns_images
+
+        if not datasets_turns_images():
+            return [False] * num_rows
+        if file_of_row is None or plain_structs_turned:
+            return [True] * num_rows
+        plain = self.files_without_image_feature
+        return [int(f) not in plain for f in file_of_row]

@@ -221,6 +221,41 @@ def test_where_the_driver_would_make_the_rows_the_media_store_makes_them_with_th
     assert time.perf_counter() - started < 10
 
 
+def test_a_prompt_whose_media_verl_refuses_is_quarantined_and_the_rest_handed_off(ray_session, model_dir, tmp_path):
+    """An image of aspect ratio 250:1 decodes, but verl's agent loop refuses it (qwen-vl-utils' ``smart_resize``):
+    its row becomes a quarantine record naming file, row and that reason; the file's other rows are handed off and
+    the counts add up (rows in = out + filtered + quarantined)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+    from PIL import Image
+
+    from ingest.stats import RunLedger
+    from ingest.verl import VerlDataLoader
+    from tools.samples import geo3k_rows, geo3k_schema
+
+    rows = geo3k_rows(6, kinds=("png", "jpeg"), multi_every=0)
+    wide = io.BytesIO()
+    Image.new("RGB", (5000, 20), (200, 120, 40)).save(wide, format="PNG")
+    rows[2]["images"] = [{"bytes": wide.getvalue(), "path": None}]
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=geo3k_schema()), path, row_group_size=3)
+    model = rollout_model_dir(tmp_path / "model", model_dir)
+    data = {"row_format": "verl-0.9", "shuffle": False, "media_handoff": True, "filter_overlong_prompts": False}
+    ledger = RunLedger.remote()
+    loader = VerlDataLoader([str(path)], model, data, 2, model, drop_last=False, ledger=ledger)
+    handed, payloads = _handed_off_epoch(loader)
+    assert len(handed) == 5 and all(payload is not None for payload in payloads)
+    counts, records = ray.get(ledger.get.remote()), ray.get(ledger.quarantine.remote())
+    assert counts["rows_in"] == 6 and counts["quarantined"] == 1 and counts["rows_out"] == 5
+    assert counts["rows_in"] == counts["rows_out"] + counts["filtered_overlong"] + counts["quarantined"]
+    (record,) = records
+    assert record["file"].endswith("data.parquet") and record["row"] == 2, record
+    assert "absolute aspect ratio must be smaller than 200" in record["reason"], record
+
+
 class _PayloadOwner:
     """Owns what it puts: once it is killed, its objects are lost, as a lost node's are."""
 
@@ -443,10 +478,13 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
         assert items and all(parse_media_uri(item[item["type"]]) for item in items)
 
 
-def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
+def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer(monkeypatch):
+    import importlib
+
     from omegaconf import OmegaConf
 
-    from ingest.verl.main_ppo import HANDOFF_MANAGERS, use_handoff_manager
+    from ingest.verl import main_ppo
+    from ingest.verl.main_ppo import HANDOFF_MANAGERS, V1_AGENT_LOOP_MODULE, use_handoff_manager
 
     def config(handoff: bool, use_v1: bool, manager: str | None = None):
         agent = {"num_workers": 8, **({"agent_loop_manager_class": manager} if manager else {})}
@@ -458,6 +496,16 @@ def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer():
             }
         )
 
+    # the v1 manager's module imports TransferQueue: where it is missing, an error that says so, not verl's "class
+    # not found in module"
+    def missing_transfer_queue(name: str):
+        assert name == V1_AGENT_LOOP_MODULE
+        raise ModuleNotFoundError("No module named 'transfer_queue'", name="transfer_queue")
+
+    monkeypatch.setattr(importlib, "import_module", missing_transfer_queue)
+    with pytest.raises(ImportError, match="No module named 'transfer_queue'.*TransferQueue.*trainer.use_v1=false"):
+        use_handoff_manager(config(True, True))
+    monkeypatch.setattr(main_ppo, "check_v1_agent_loop", lambda: None)  # an environment where it imports
     for use_v1 in (False, True):
         chosen = config(True, use_v1)
         assert use_handoff_manager(chosen) == HANDOFF_MANAGERS[use_v1]

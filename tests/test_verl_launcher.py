@@ -61,7 +61,8 @@ def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
         "data.max_prompt_length=160",
         "data.filter_overlong_prompts=true",
         "data.truncation=left",
-        f"+data.cache_dir={tmp_path / 'cache'}",
+        f"data.cache_dir={tmp_path / 'cache'}",  # a key verl's config lacks, typed as the user types it
+        "data.tokenizer_pool_max_size=1",
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
@@ -91,6 +92,25 @@ def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
     steps = ROWS_KEPT // BATCH
     assert f"Total training steps: {steps * EPOCHS}" in output  # verl's own arithmetic over our length
     assert f"{trainer_name}: the train and val dataloaders are the ingest pipeline's ({steps} and 1 batches" in output
+
+
+def test_the_pipelines_data_keys_work_typed_plain_or_with_a_plus():
+    """Hydra refuses ``data.media_handoff=true`` (verl's config lacks the key) and ``+data.max_prompt_length=...``
+    (it has that one): ``main_ppo`` makes each ``DataConfig`` key ``++`` (add or override), so both forms work."""
+    from ingest.verl.main_ppo import with_data_keys_added
+
+    given = ["data.media_handoff=true", "+data.cache_dir=/c", "data.max_prompt_length=64", "trainer.use_v1=false"]
+    given += ["data.media_handoff_ahead=8", "data.unknown=1", "actor_rollout_ref.model.path=/m", "~data.seed"]
+    assert with_data_keys_added(given) == [
+        "++data.media_handoff=true",
+        "+data.cache_dir=/c",
+        "++data.max_prompt_length=64",
+        "trainer.use_v1=false",
+        "++data.media_handoff_ahead=8",
+        "data.unknown=1",
+        "actor_rollout_ref.model.path=/m",
+        "~data.seed",
+    ]
 
 
 def test_another_dataset_class_and_max_samples_are_refused(model_dir, tmp_path):

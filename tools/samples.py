@@ -166,6 +166,50 @@ def write_geo3k_parquet(
     return paths
 
 
+def exif_photo_rows(seed: int = 0) -> list[dict]:
+    """geo3k-shaped rows of photos as phones and editors write them: a JPEG of each EXIF Orientation (1-8, so every
+    turn and flip), a PNG with an ``eXIf`` chunk (6: a quarter turn), a JPEG whose Orientation is in its XMP only
+    (8), and a row with two of them. Each image is wider than tall, so a turn swaps its grid."""
+    import io
+
+    from PIL import ExifTags, Image
+
+    rng = random.Random(seed)
+
+    def photo(fmt: str, orientation: int, *, xmp: bool = False) -> dict:
+        w, h = rng.randint(180, 320), rng.randint(60, 120)
+        image, _ = make_image("png", rng)
+        image = image.resize((w, h))
+        buf = io.BytesIO()
+        if xmp:
+            description = f'<rdf:Description tiff:Orientation="{orientation}"/>'
+            packet = f'<x:xmpmeta xmlns:x="adobe:ns:meta/">{description}</x:xmpmeta>'
+            image.save(buf, format=fmt, quality=90, xmp=packet.encode())
+        else:
+            exif = Image.Exif()
+            exif[ExifTags.Base.Orientation] = orientation
+            image.save(buf, format=fmt, exif=exif.tobytes(), **({"quality": 90} if fmt == "JPEG" else {}))
+        return {"bytes": buf.getvalue(), "path": None}
+
+    images = [[photo("JPEG", k)] for k in range(1, 9)]
+    images += [[photo("PNG", 6)], [photo("JPEG", 8, xmp=True)], [photo("JPEG", 6), photo("PNG", 3)]]
+    return [_geo3k_row(i, row_images, rng) for i, row_images in enumerate(images)]
+
+
+def write_exif_photo_parquet(out_dir: str | os.PathLike, *, image_feature: bool = True) -> str:
+    """``exif_photo_rows`` in one Parquet file: with the HF ``Image()`` feature metadata (HF datasets decodes the
+    images, turned by their Orientation) or without it (plain ``{bytes, path}`` structs, as pandas or pyarrow write
+    them: verl opens the bytes itself)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    schema = geo3k_schema()
+    if not image_feature:
+        schema = schema.remove_metadata()
+    path = out / f"exif-photos-{'image' if image_feature else 'struct'}.parquet"
+    pq.write_table(pa.Table.from_pylist(exif_photo_rows(), schema=schema), path, row_group_size=4)
+    return str(path)
+
+
 def write_geo3k_pool_parquet(
     out_dir: str | os.PathLike,
     num_rows: int,

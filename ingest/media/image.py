@@ -14,6 +14,38 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _ANIMATION_CHUNKS = (b"acTL", b"fcTL", b"fdAT")
 # deflate's largest ratio (a 258-byte match in two bits): a stream shorter than 1 / 1032 of the size cannot fill it
 _DEFLATE_MAX_RATIO = 1032
+# where PIL's getexif finds a PNG's Orientation (an eXIf chunk, ImageMagick's exif text, XMP): a PNG with none of
+# these names in its bytes has none, and is never decoded to be sure
+_PNG_ORIENTATION_SOURCES = (b"eXIf", b"Raw profile type exif", b"XML:com.adobe.xmp")
+# the first HF datasets whose Image() decode turns an image by its EXIF Orientation (ImageOps.exif_transpose)
+_DATASETS_TURNING = (2, 19)
+# EXIF orientations whose turn swaps width and height (transpose, 270, transverse, 90 degrees)
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+
+
+def datasets_turns_images() -> bool:
+    """Whether HF datasets' ``Image()`` decode, as installed here, turns an image by its EXIF Orientation (2.19 and
+    later; where datasets is not installed, the rule of those releases)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("datasets").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return True
+    return (major, minor) >= _DATASETS_TURNING
+
+
+def exif_orientation(image, data: bytes) -> int | None:
+    """The EXIF Orientation PIL's ``getexif()`` gives ``image`` (opened from ``data``) once loaded, as HF datasets
+    asks it; None where there is none. A JPEG's header holds all of it (no decode); a PNG is decoded only where its
+    bytes name a source of one."""
+    from PIL import ExifTags
+
+    if image.format == "PNG" and not any(source in data for source in _PNG_ORIENTATION_SOURCES):
+        return None
+    if image.format != "JPEG":
+        image.load()
+    return image.getexif().get(ExifTags.Base.Orientation)
 
 
 def image_source(value) -> tuple[bytes | None, str | None]:
@@ -63,24 +95,32 @@ def check_complete(data: bytes) -> None:
         raise OSError("truncated JPEG file (no end-of-image marker)")
 
 
-def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from the header only (no pixel decode)."""
+def image_size(data: bytes, *, turned: bool = False) -> tuple[int, int]:
+    """(width, height) from the header only (no pixel decode); ``turned``: of the image as HF datasets' ``Image()``
+    decode gives it, turned by its EXIF Orientation (``decode_rgb(turned=True)``)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
+        if turned and exif_orientation(image, data) in _SWAPPING_ORIENTATIONS:
+            width, height = height, width
     if width < 1 or height < 1:
         raise ValueError(f"image has zero size ({width}x{height})")
     return width, height
 
 
-def decode_rgb(data: bytes, *, pixels: bool = True) -> tuple[np.ndarray, dict]:
+def decode_rgb(data: bytes, *, pixels: bool = True, turned: bool = False) -> tuple[np.ndarray, dict]:
     """Decode and convert to RGB exactly as verl does (``PIL.Image.convert("RGB")``): (H, W, 3) uint8 + PIL info.
     ``pixels=False`` (a count: only whether it decodes matters): the same verdict, but an empty (H, W, 0) array
-    instead of the copy of the pixels, and no decode at all where ``png_decodes`` knows the answer."""
-    from PIL import Image
+    instead of the copy of the pixels, and no decode at all where ``png_decodes`` knows the answer. ``turned``: the
+    image HF datasets' ``Image()`` decode gives verl (2.19 and later): loaded, then where it has an EXIF Orientation,
+    ``ImageOps.exif_transpose``'s (turned, the tag taken out of its info)."""
+    from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as image:
+        if turned and exif_orientation(image, data) is not None:
+            image.load()
+            return _pil_rgb(ImageOps.exif_transpose(image), pixels)
         inflated = _inflated_png(data) if image.format == "PNG" else None
         if not pixels and inflated is not None and _sound_png_decodes(data, image, *inflated):
             return np.empty((image.height, image.width, 0), dtype=np.uint8), dict(image.info)
@@ -235,16 +275,19 @@ def _spng_rgb(data: bytes) -> np.ndarray | None:
         return None
 
 
-def deferrable_jpeg(data: bytes) -> tuple[np.ndarray, dict] | None:
+def deferrable_jpeg(data: bytes, *, turned: bool = False) -> tuple[np.ndarray, dict] | None:
     """For a JPEG a device decoder can take (baseline, YCbCr or grayscale, complete): an empty (H, W, 0) array (the
     size) and the PIL ``info`` that ``decode_rgb`` would give, from the header alone; None for anything else (PNG,
-    progressive or CMYK JPEG, a file without its end marker: those decode on the CPU, where bad data is caught)."""
+    progressive or CMYK JPEG, a file without its end marker, one to turn by its EXIF Orientation (``turned``): those
+    decode on the CPU, where bad data is caught)."""
     from PIL import Image
 
     if not _complete_jpeg(data):
         return None
     with Image.open(io.BytesIO(data)) as image:
         if image.format != "JPEG" or image.mode not in ("RGB", "L") or image.info.get("progressive"):
+            return None
+        if turned and exif_orientation(image, data) is not None:
             return None
         width, height = image.size
         return np.empty((height, width, 0), dtype=np.uint8), dict(image.info)

@@ -13,6 +13,7 @@ from ingest.blocks import (
     DEFERRED_JPEG_COLUMN,
     DEFERRED_VIDEO_COLUMN,
     DEFERRED_VIDEO_STRUCT,
+    FILE_COLUMN,
     FRAMES_STRUCT,
     MEDIA_BYTES_COLUMN,
     MULTI_MODAL_DATA,
@@ -51,6 +52,8 @@ class DecodeStage:
         self.on_bad_row = config.on_bad_row
         self.image_key, self.video_key = config.image_key, config.video_key
         self.keep_provenance = context.keep_provenance
+        self.context = context
+        self.plain_structs_turned = config.row_format == "verl-0.5"  # (StageContext.images_turned)
         # leave device-decodable JPEGs (deferrable_jpeg) / video files (decode_video_file) encoded for the vision stage
         # a count decodes JPEGs with PIL, as the vision stage does any its device refuses
         self.defer_jpeg = config.vision_decode_jpeg_on_device and not count_only
@@ -65,13 +68,14 @@ class DecodeStage:
         """Whether some media may be left encoded for the vision stage (which then locates and counts their rows)."""
         return self.defer_jpeg or self.defer_video
 
-    def _decode(self, data: bytes) -> tuple[np.ndarray, dict, bytes | None]:
-        """(RGB pixels, PIL info, None), or for a JPEG left to the vision stage ((H, W, 0) size, info, its bytes)."""
+    def _decode(self, data: bytes, turned: bool) -> tuple[np.ndarray, dict, bytes | None]:
+        """(RGB pixels, PIL info, None), or for a JPEG left to the vision stage ((H, W, 0) size, info, its bytes);
+        ``turned``: as HF datasets turns it by its EXIF Orientation."""
         if self.defer_jpeg:
-            header = deferrable_jpeg(data)
+            header = deferrable_jpeg(data, turned=turned)
             if header is not None:
                 return (*header, data)
-        return (*decode_rgb(data, pixels=not self.count_only), None)
+        return (*decode_rgb(data, pixels=not self.count_only, turned=turned), None)
 
     def __call__(self, table: pa.Table) -> StageResult:
         if MEDIA_BYTES_COLUMN not in table.column_names:  # not a block of the tokenize stage's processor path
@@ -82,9 +86,11 @@ class DecodeStage:
         images: list = [None] * table.num_rows
         frames: list = [None] * table.num_rows
         bad = BadRows(self.files, table)
+        files = table.column(FILE_COLUMN).to_numpy() if FILE_COLUMN in table.column_names else None
+        turned = self.context.images_turned(files, table.num_rows, plain_structs_turned=self.plain_structs_turned)
         for i in range(table.num_rows):
             try:
-                images[i] = None if encoded[i] is None else [self._decode(data) for data in encoded[i]]
+                images[i] = None if encoded[i] is None else [self._decode(data, turned[i]) for data in encoded[i]]
             except Exception as exc:
                 bad.add(i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
                 continue

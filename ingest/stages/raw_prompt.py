@@ -40,7 +40,7 @@ from ingest.media.geometry import (
     timestamped_video_text,
     video_grid,
 )
-from ingest.media.image import check_complete, image_size, read_image_bytes
+from ingest.media.image import check_complete, datasets_turns_images, image_size, read_image_bytes
 from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
 from ingest.rowformat.raw_prompt import RAW_PROMPT_DIALECTS, raw_prompt_messages, struct_image_problem
@@ -186,8 +186,9 @@ class RawPromptStage(PromptTokenizeStage):
             for data in row.struct_bytes:
                 image_size(data)
                 check_complete(data)
-        if self._measures_media:
-            row.media_tokens = sum(self._image_tokens(*image_size(data)) - 1 for data in encoded)
+        if self._measures_media:  # sized as verl gets them: an Image() column's turned by EXIF Orientation
+            turned = images_decoded and datasets_turns_images()
+            row.media_tokens = sum(self._image_tokens(*image_size(data, turned=turned)) - 1 for data in encoded)
 
     def _measure_videos(self, row: RawPromptRow, videos: list) -> None:
         """What the row's videos add to its measure, from their container headers (no frame decoded)."""

@@ -127,9 +127,9 @@ class RolloutMediaStage:
         quarantine = bad.quarantine(processed_row)
         media_columns = (MULTI_MODAL_DATA, STRUCT_IMAGE_BYTES_COLUMN)
         out = table.drop_columns([c for c in media_columns if c in table.column_names])
-        messages = pa.array([json.dumps(rows[i], ensure_ascii=False) for i in range(len(rows))], pa.string())
-        out = out.set_column(out.column_names.index("raw_prompt"), "raw_prompt", messages)
-        out = out.append_column(MEDIA_KEY_COLUMN, pa.array(keys, pa.string()))
-        if len(kept) < table.num_rows:
+        if len(kept) < table.num_rows:  # a bad row's messages still hold its decoded media: none go on
             out = out.take(kept)
+        messages = pa.array([json.dumps(rows[i], ensure_ascii=False) for i in kept], pa.string())
+        out = out.set_column(out.column_names.index("raw_prompt"), "raw_prompt", messages)
+        out = out.append_column(MEDIA_KEY_COLUMN, pa.array([keys[i] for i in kept], pa.string()))
         return StageResult(drop_internal_columns(out, self.keep_provenance), counts, quarantine)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
 
 from ingest.accounting import BatchCounts, StageResult, row_error
 from ingest.blocks import (
+    FILE_COLUMN,
     GRIDS_TYPE,
     IMAGE_GRIDS_COLUMN,
     MAX_LENGTH_COLUMN,
@@ -97,6 +99,7 @@ class PromptTokenizeStage:
         self.files = list(context.files)
         self.vision = vision
         self.keep_provenance = context.keep_provenance
+        self.context = context
         self._secrets = secret_values(config.storage_options)  # kept out of quarantine reasons and errors
         # verl 0.6 and later pass these to apply_chat_template; 0.5.0 does not read them
         self.template_kwargs = config.apply_chat_template_kwargs if config.row_format != "verl-0.5" else {}
@@ -169,6 +172,8 @@ class PromptTokenizeStage:
         prompts = table.column(cfg.prompt_key).to_pylist()
         images = self._media_column(table, cfg.image_key)
         videos = self._media_column(table, cfg.video_key)
+        files = table.column(FILE_COLUMN).to_numpy() if FILE_COLUMN in table.column_names else None
+        turned = self.context.images_turned(files, table.num_rows, plain_structs_turned=cfg.row_format == "verl-0.5")
         return [
             self._prompt_row(
                 i,
@@ -177,14 +182,23 @@ class PromptTokenizeStage:
                 None if videos is None else videos[i],
                 has_media,
                 bad,
+                turned[i],
             )
             for i, messages in enumerate(prompts)
         ]
 
     def _prompt_row(
-        self, i: int, messages, images: list | None, videos: list | None, has_media: bool, bad: BadRows
+        self,
+        i: int,
+        messages,
+        images: list | None,
+        videos: list | None,
+        has_media: bool,
+        bad: BadRows,
+        images_turned: bool,
     ) -> PromptRow:
-        """Row ``i``'s messages, rendered template and media headers; where one fails the row goes into ``bad``."""
+        """Row ``i``'s messages, rendered template and media headers; where one fails the row goes into ``bad``.
+        ``images_turned``: verl gets its images turned by their EXIF Orientation (``StageContext.images_turned``)."""
         row = PromptRow()
         problem = validate_messages(messages)
         if problem is not None:
@@ -197,7 +211,7 @@ class PromptTokenizeStage:
         except Exception as exc:
             bad.add(i, f"chat template failed: {type(exc).__name__}: {exc}")
             return row
-        media = (("image", images, self._read_images, self.config.image_key),)
+        media = (("image", images, partial(self._read_images, turned=images_turned), self.config.image_key),)
         media += (("video", videos, self._probe_videos, self.config.video_key),)
         for kind, values, read, column in media:
             if values is None:
@@ -209,12 +223,13 @@ class PromptTokenizeStage:
                 return row
         return row
 
-    def _read_images(self, row: PromptRow, images: list) -> None:
-        """The row's encoded images and their grids, from the image headers (no pixel work)."""
+    def _read_images(self, row: PromptRow, images: list, *, turned: bool) -> None:
+        """The row's encoded images and their grids, from the image headers (no pixel work); ``turned``: sized as
+        turned by their EXIF Orientation."""
         row.media_bytes = []
         for value in images:
             data = read_image_bytes(value, self.config.storage_options)
-            width, height = image_size(data)
+            width, height = image_size(data, turned=turned)
             row.media_bytes.append(data)
             row.image_grids.append(image_grid(width, height, self.vision))
 

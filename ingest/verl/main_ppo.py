@@ -37,6 +37,8 @@ def _use_ingest_trainer(config: Any, run_function: Any) -> str:
     return names["RayPPOTrainer"].__name__
 
 
+# the module of verl's v1 agent-loop classes, which the v1 hand-off manager subclasses; it imports TransferQueue
+V1_AGENT_LOOP_MODULE = "verl.trainer.ppo.v1.agent_loop_tq"
 HANDOFF_MANAGERS = {  # trainer.use_v1 -> the agent-loop manager that takes handed-off media (ingest.verl.agent_loop)
     False: "ingest.verl.agent_loop.IngestAgentLoopManager",
     True: "ingest.verl.agent_loop.IngestAgentLoopManagerTQ",
@@ -50,7 +52,10 @@ def use_handoff_manager(config: Any) -> str | None:
 
     if not config.data.get("media_handoff"):
         return None
-    manager = HANDOFF_MANAGERS[bool(config.get("trainer", {}).get("use_v1"))]
+    use_v1 = bool(config.get("trainer", {}).get("use_v1"))
+    if use_v1:
+        check_v1_agent_loop()
+    manager = HANDOFF_MANAGERS[use_v1]
     agent = config.actor_rollout_ref.rollout.get("agent") or {}
     chosen = agent.get("agent_loop_manager_class")
     if chosen not in (None, manager):
@@ -61,6 +66,27 @@ def use_handoff_manager(config: Any) -> str | None:
     with open_dict(config):
         config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = manager
     return manager
+
+
+def check_v1_agent_loop() -> None:
+    """Raise ``ImportError`` naming what is missing where verl's v1 agent-loop classes cannot be imported (verl 0.9's
+    needs the TransferQueue package): verl would otherwise report only that the hand-off's manager class is not
+    found in its module."""
+    import importlib
+
+    try:
+        importlib.import_module(V1_AGENT_LOOP_MODULE)
+    except ImportError as exc:
+        hint = (
+            "install the TransferQueue package (verl's verl-core extra: pip install 'TransferQueue>=0.1.10')"
+            if exc.name == "transfer_queue"
+            else "install a verl whose v1 trainer has it (0.9)"
+        )
+        raise ImportError(
+            f"data.media_handoff on verl's v1 trainer (trainer.use_v1, verl 0.9's default) hands the media to "
+            f"{V1_AGENT_LOOP_MODULE}'s agent loop, which does not import here ({type(exc).__name__}: {exc}): {hint}, "
+            "or set trainer.use_v1=false for the legacy trainer"
+        ) from exc
 
 
 class _IngestRun:
@@ -96,10 +122,24 @@ def _with_ingest(runner: Any) -> Any:
     return ray.remote(mixed) if actor.num_cpus is None else ray.remote(num_cpus=actor.num_cpus)(mixed)
 
 
+def with_data_keys_added(overrides: list[str]) -> list[str]:
+    """verl's Hydra overrides with each ``data.KEY=VALUE`` of a ``DataConfig`` key made ``++data.KEY=VALUE`` (add or
+    override): Hydra refuses a plain override of a key verl's config lacks (``data.media_handoff``), and a ``+`` one
+    of a key it has, so either form the user types works. Other overrides are kept as they are."""
+    import dataclasses
+
+    from ingest.config import DataConfig
+
+    ours = {f"data.{field.name}" for field in dataclasses.fields(DataConfig)}
+    return [f"++{arg}" if arg.partition("=")[0] in ours and "=" in arg else arg for arg in overrides]
+
+
 def main() -> None:
     import importlib.util
 
     from verl.trainer import main_ppo
+
+    sys.argv[1:] = with_data_keys_added(sys.argv[1:])  # read by verl's Hydra main below
 
     for name in ("TaskRunner", "TaskRunnerV1"):  # 0.5 to 0.7; 0.9 with trainer.use_v1 (its default)
         if hasattr(main_ppo, name):
