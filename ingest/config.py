@@ -47,6 +47,22 @@ def installed_verl_version() -> str | None:
         return None
 
 
+# the first HF datasets whose Image() decode turns an image by its EXIF Orientation (ImageOps.exif_transpose)
+_DATASETS_TURNING = (2, 19)
+
+
+def datasets_turns_images() -> bool:
+    """Whether HF datasets' ``Image()`` decode, as installed here, turns an image by its EXIF Orientation (2.19 and
+    later; where datasets is not installed, the rule of those releases)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("datasets").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return True
+    return (major, minor) >= _DATASETS_TURNING
+
+
 def _release_line(installed: str) -> str | None:
     """The row format of the verl release ``installed``; None for a release none is checked against."""
     if installed in _RELEASES_APART:
@@ -339,11 +355,9 @@ class StageContext:
     ) -> list[bool]:
         """Per row (``file_of_row``: each row's file index; None: unknown, an ``Image()`` column assumed): whether
         verl gets its images turned by their EXIF Orientation, as HF datasets' ``Image()`` decode turns them (where
-        the installed datasets does: ``media.image.datasets_turns_images``). A plain ``{bytes, path}`` struct verl
+        the installed datasets does: ``datasets_turns_images``). A plain ``{bytes, path}`` struct verl
         opens itself, unturned; ``plain_structs_turned`` (verl 0.5, which fails on one, and gets what an ``Image()``
         column would give) turns them too."""
-        from ingest.media.image import datasets_turns_images
-
         if not datasets_turns_images():
             return [False] * num_rows
         if file_of_row is None or plain_structs_turned:

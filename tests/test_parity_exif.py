@@ -11,7 +11,7 @@ import io
 
 import pytest
 
-from ingest.media import image as image_module
+from ingest.config import datasets_turns_images
 from ingest.media.image import decode_rgb, image_size
 from tests.support import formats
 from tests.support.compare import assert_same_batches
@@ -78,4 +78,4 @@ def test_the_installed_datasets_decides_whether_images_turn(monkeypatch, install
         return installed
 
     monkeypatch.setattr(metadata, "version", version)
-    assert image_module.datasets_turns_images() is turns
+    assert datasets_turns_images() is turns

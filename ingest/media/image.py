@@ -17,22 +17,8 @@ _DEFLATE_MAX_RATIO = 1032
 # where PIL's getexif finds a PNG's Orientation (an eXIf chunk, ImageMagick's exif text, XMP): a PNG with none of
 # these names in its bytes has none, and is never decoded to be sure
 _PNG_ORIENTATION_SOURCES = (b"eXIf", b"Raw profile type exif", b"XML:com.adobe.xmp")
-# the first HF datasets whose Image() decode turns an image by its EXIF Orientation (ImageOps.exif_transpose)
-_DATASETS_TURNING = (2, 19)
 # EXIF orientations whose turn swaps width and height (transpose, 270, transverse, 90 degrees)
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
-
-
-def datasets_turns_images() -> bool:
-    """Whether HF datasets' ``Image()`` decode, as installed here, turns an image by its EXIF Orientation (2.19 and
-    later; where datasets is not installed, the rule of those releases)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        major, minor = (int(part) for part in version("datasets").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return True
-    return (major, minor) >= _DATASETS_TURNING
 
 
 def exif_orientation(image, data: bytes) -> int | None:

@@ -30,7 +30,7 @@ from ingest.blocks import (
     RAW_PROMPT_OF_COLUMN,
     STRUCT_IMAGE_BYTES_COLUMN,
 )
-from ingest.config import DataConfig, StageContext
+from ingest.config import DataConfig, StageContext, datasets_turns_images
 from ingest.errors import redact
 from ingest.media.geometry import (
     VisionSpec,
@@ -40,7 +40,7 @@ from ingest.media.geometry import (
     timestamped_video_text,
     video_grid,
 )
-from ingest.media.image import check_complete, datasets_turns_images, image_size, read_image_bytes
+from ingest.media.image import check_complete, image_size, read_image_bytes
 from ingest.media.video import probe_video
 from ingest.rowformat.messages import validate_messages
 from ingest.rowformat.raw_prompt import RAW_PROMPT_DIALECTS, raw_prompt_messages, struct_image_problem
