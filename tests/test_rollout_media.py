@@ -635,7 +635,7 @@ def _bound_spec(root, model_dir: str) -> dict:
 
 @slow
 def test_the_store_stays_within_the_window_over_a_long_run_with_stalls(verl09_checks):
-    """6,000 prompts, 47 batches (small images: the store's count, not the pixels, is under test) in batches of 128, each
+    """6,000 prompts (small images: the store's count, not the pixels, is under test) in 47 batches of 128, each
     prompt resolved ``rollout.n = 8`` times by a stand-in rollout worker; three times the loader stops taking
     batches until the pipeline has settled. Made ahead of the loader: the window, or while the loader waits for a
     block, what the vision actors finish meanwhile (a task's blocks, two here). The store never holds more than that
