@@ -313,6 +313,13 @@ class DataConfig:
         return cls(**known)
 
     @property
+    def fetches_plain_struct_images(self) -> int | None:
+        """The patch size with which verl resizes a plain ``{bytes, path}`` struct's image by qwen-vl-utils'
+        ``fetch_image`` where it does (verl 0.6's ``process_image``: ``data.image_patch_size``, 14 unless set); None
+        where it does not (verl 0.5 fails on one, 0.7 and 0.9 hand the image to the processor as opened)."""
+        return (self.image_patch_size or 14) if self.row_format == "verl-0.6" else None
+
+    @property
     def raw_prompt_rows(self) -> bool:
         """Whether the rows are verl 0.7 and later's ``raw_prompt`` rows (no ids: the rollout tokenizes)."""
         return self.row_format in RAW_PROMPT_FORMATS
@@ -350,17 +357,19 @@ class StageContext:
         object.__setattr__(self, "files", tuple(self.files))
         object.__setattr__(self, "files_without_image_feature", frozenset(self.files_without_image_feature))
 
-    def images_turned(
-        self, file_of_row: Sequence[int] | None, num_rows: int, *, plain_structs_turned: bool
-    ) -> list[bool]:
-        """Per row (``file_of_row``: each row's file index; None: unknown, an ``Image()`` column assumed): whether
-        verl gets its images turned by their EXIF Orientation, as HF datasets' ``Image()`` decode turns them (where
-        the installed datasets does: ``datasets_turns_images``). A plain ``{bytes, path}`` struct verl
-        opens itself, unturned; ``plain_structs_turned`` (verl 0.5, which fails on one, and gets what an ``Image()``
-        column would give) turns them too."""
-        if not datasets_turns_images():
+    def plain_struct_rows(self, file_of_row: Sequence[int] | None, num_rows: int) -> list[bool]:
+        """Per row (``file_of_row``: each row's file index; None: unknown, an ``Image()`` column assumed): whether its
+        file's image column is plain ``{bytes, path}`` structs (``files_without_image_feature``)."""
+        if file_of_row is None:
             return [False] * num_rows
-        if file_of_row is None or plain_structs_turned:
-            return [True] * num_rows
         plain = self.files_without_image_feature
-        return [int(f) not in plain for f in file_of_row]
+        return [int(f) in plain for f in file_of_row]
+
+    def images_turned(self, plain_structs: list[bool], *, plain_structs_turned: bool) -> list[bool]:
+        """Per row (``plain_structs``: ``plain_struct_rows``): whether verl gets its images turned by their EXIF
+        Orientation, as HF datasets' ``Image()`` decode turns them (where the installed datasets does:
+        ``datasets_turns_images``). A plain struct verl opens itself, unturned; ``plain_structs_turned`` (verl 0.5,
+        which fails on one, and gets what an ``Image()`` column would give) turns them too."""
+        if not datasets_turns_images():
+            return [False] * len(plain_structs)
+        return [plain_structs_turned or not plain for plain in plain_structs]

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ingest.media.geometry import IMAGE_PAD, fetch_image_size, grid_tokens
+from ingest.media.geometry import IMAGE_PAD, grid_tokens
+from ingest.media.image import fetched_image
 from ingest.media.pixels import ImagePixels
 from ingest.rollout_media import encoded_image, encoded_patches, encoded_tensor, media_items
 from ingest.tokenizer.chat import ChatTokenizer
@@ -55,18 +56,6 @@ _PLAIN_IMAGE_ITEM = frozenset({"type", "image"})  # an item with other keys (min
 def _model_type(model_path: str) -> str | None:
     config = Path(model_path) / "config.json"
     return json.loads(config.read_text()).get("model_type") if config.is_file() else None
-
-
-def fetched_image(image: Any, patch_size: int):
-    """qwen-vl-utils' ``fetch_image`` of a PIL image: its ``to_rgb``, then its resize to ``fetch_image_size``."""
-    from PIL import Image
-
-    if image.mode == "RGBA":
-        rgb = Image.new("RGB", image.size, (255, 255, 255))
-        rgb.paste(image, mask=image.split()[3])
-    else:  # an RGB image as it is: its convert would be a copy of the same pixels
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-    return rgb.resize(fetch_image_size(*rgb.size, patch_size))
 
 
 class KernelMediaMaker:

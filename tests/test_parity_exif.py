@@ -1,9 +1,8 @@
 """Photos with an EXIF Orientation, as phones write them: verl gets an HF ``Image()`` column's images turned by it
 (HF datasets' decode applies ``ImageOps.exif_transpose``), and opens a plain ``{bytes, path}`` struct's bytes itself,
-unturned; verl 0.5.0 fails on plain structs, and ours gives it what the ``Image()`` column gives. Each row format
-against its own verl release, in both column kinds: pixels, grids, position ids and (verl 0.9) the rollout's items.
-Not here: verl 0.6.1's plain structs, whose images it resizes with qwen-vl-utils' ``fetch_image`` (ours do not yet:
-docs/parity.md)."""
+unturned (verl 0.6.1 then resizes them with qwen-vl-utils' ``fetch_image``); verl 0.5.0 fails on plain structs, and
+ours gives it what the ``Image()`` column gives. Each row format against its own verl release, in both column kinds:
+pixels, grids, position ids and (verl 0.9) the rollout's items."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ BATCH = 4
 
 
 CASES = [(row_format, kind) for row_format in ROW_FORMATS for kind in ("Image() column", "plain struct")]
-CASES.remove(("verl-0.6", "plain struct"))
 
 
 @pytest.mark.parametrize(("row_format", "kind"), CASES, ids=[" ".join(case) for case in CASES])

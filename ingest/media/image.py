@@ -131,6 +131,35 @@ def _pil_rgb(image, pixels: bool = True) -> tuple[np.ndarray, dict]:
     return np.asarray(rgb), dict(rgb.info)  # asarray loads the pixels first, as convert does
 
 
+def fetched_image(image, patch_size: int):
+    """qwen-vl-utils' ``fetch_image`` of a PIL image: its ``to_rgb`` (RGBA composited on white), then its resize to
+    ``fetch_image_size``."""
+    from PIL import Image
+
+    from ingest.media.geometry import fetch_image_size
+
+    if image.mode == "RGBA":
+        rgb = Image.new("RGB", image.size, (255, 255, 255))
+        rgb.paste(image, mask=image.split()[3])
+    else:  # an RGB image as it is: its convert would be a copy of the same pixels
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return rgb.resize(fetch_image_size(*rgb.size, patch_size))
+
+
+def decode_fetched(data: bytes, patch_size: int, *, pixels: bool = True) -> tuple[np.ndarray, dict]:
+    """What verl 0.6 makes of a plain ``{bytes, path}`` struct's image: ``Image.open`` of the bytes, then
+    qwen-vl-utils' ``fetch_image`` (``fetched_image``): (H, W, 3) uint8 at the fetched size + PIL info (``pixels``
+    as ``decode_rgb``'s)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        rgb = fetched_image(image, patch_size)
+        if not pixels:
+            return np.empty((rgb.height, rgb.width, 0), dtype=np.uint8), dict(rgb.info)
+        return np.asarray(rgb), dict(rgb.info)
+
+
 def stored_png(data: bytes) -> bytes | None:
     """``data``, a PNG, with its image data inflated by libdeflate (``deflate``; about twice zlib's speed on the bench's
     images) and stored back uncompressed: one ``IDAT`` chunk holding stored deflate blocks, every other chunk as it was.

@@ -26,7 +26,7 @@ from ingest.blocks import (
     tensor_record,
 )
 from ingest.config import DataConfig, StageContext
-from ingest.media.image import decode_rgb, deferrable_jpeg
+from ingest.media.image import decode_fetched, decode_rgb, deferrable_jpeg
 from ingest.media.video import decode_video_frames
 from ingest.stages.bad_rows import BadRows
 
@@ -54,6 +54,7 @@ class DecodeStage:
         self.keep_provenance = context.keep_provenance
         self.context = context
         self.plain_structs_turned = config.row_format == "verl-0.5"  # (StageContext.images_turned)
+        self.fetch = config.fetches_plain_struct_images
         # leave device-decodable JPEGs (deferrable_jpeg) / video files (decode_video_file) encoded for the vision stage
         # a count decodes JPEGs with PIL, as the vision stage does any its device refuses
         self.defer_jpeg = config.vision_decode_jpeg_on_device and not count_only
@@ -68,9 +69,12 @@ class DecodeStage:
         """Whether some media may be left encoded for the vision stage (which then locates and counts their rows)."""
         return self.defer_jpeg or self.defer_video
 
-    def _decode(self, data: bytes, turned: bool) -> tuple[np.ndarray, dict, bytes | None]:
+    def _decode(self, data: bytes, turned: bool, fetched: int | None) -> tuple[np.ndarray, dict, bytes | None]:
         """(RGB pixels, PIL info, None), or for a JPEG left to the vision stage ((H, W, 0) size, info, its bytes);
-        ``turned``: as HF datasets turns it by its EXIF Orientation."""
+        ``turned``: as HF datasets turns it by its EXIF Orientation; ``fetched``: as ``fetch_image`` resizes it with
+        that patch size (``DataConfig.fetches_plain_struct_images``)."""
+        if fetched is not None:
+            return (*decode_fetched(data, fetched, pixels=not self.count_only), None)
         if self.defer_jpeg:
             header = deferrable_jpeg(data, turned=turned)
             if header is not None:
@@ -87,10 +91,14 @@ class DecodeStage:
         frames: list = [None] * table.num_rows
         bad = BadRows(self.files, table)
         files = table.column(FILE_COLUMN).to_numpy() if FILE_COLUMN in table.column_names else None
-        turned = self.context.images_turned(files, table.num_rows, plain_structs_turned=self.plain_structs_turned)
+        plain = self.context.plain_struct_rows(files, table.num_rows)
+        turned = self.context.images_turned(plain, plain_structs_turned=self.plain_structs_turned)
         for i in range(table.num_rows):
+            fetched = self.fetch if plain[i] else None
             try:
-                images[i] = None if encoded[i] is None else [self._decode(data, turned[i]) for data in encoded[i]]
+                images[i] = (
+                    None if encoded[i] is None else [self._decode(data, turned[i], fetched) for data in encoded[i]]
+                )
             except Exception as exc:
                 bad.add(i, f"bad image: {type(exc).__name__}: {exc}", self.image_key)
                 continue

@@ -40,6 +40,7 @@ from ingest.media.geometry import (
     VIDEO_PAD,
     VISION_START,
     VisionSpec,
+    fetch_image_size,
     grid_tokens,
     image_grid,
     timestamped_video_text,
@@ -173,7 +174,9 @@ class PromptTokenizeStage:
         images = self._media_column(table, cfg.image_key)
         videos = self._media_column(table, cfg.video_key)
         files = table.column(FILE_COLUMN).to_numpy() if FILE_COLUMN in table.column_names else None
-        turned = self.context.images_turned(files, table.num_rows, plain_structs_turned=cfg.row_format == "verl-0.5")
+        plain = self.context.plain_struct_rows(files, table.num_rows)
+        turned = self.context.images_turned(plain, plain_structs_turned=cfg.row_format == "verl-0.5")
+        fetch = cfg.fetches_plain_struct_images
         return [
             self._prompt_row(
                 i,
@@ -183,6 +186,7 @@ class PromptTokenizeStage:
                 has_media,
                 bad,
                 turned[i],
+                fetch if plain[i] else None,
             )
             for i, messages in enumerate(prompts)
         ]
@@ -196,9 +200,11 @@ class PromptTokenizeStage:
         has_media: bool,
         bad: BadRows,
         images_turned: bool,
+        images_fetched: int | None,
     ) -> PromptRow:
         """Row ``i``'s messages, rendered template and media headers; where one fails the row goes into ``bad``.
-        ``images_turned``: verl gets its images turned by their EXIF Orientation (``StageContext.images_turned``)."""
+        ``images_turned``: verl gets its images turned by their EXIF Orientation (``StageContext.images_turned``);
+        ``images_fetched``: resized by ``fetch_image`` with this patch size (``fetches_plain_struct_images``)."""
         row = PromptRow()
         problem = validate_messages(messages)
         if problem is not None:
@@ -211,7 +217,14 @@ class PromptTokenizeStage:
         except Exception as exc:
             bad.add(i, f"chat template failed: {type(exc).__name__}: {exc}")
             return row
-        media = (("image", images, partial(self._read_images, turned=images_turned), self.config.image_key),)
+        media = (
+            (
+                "image",
+                images,
+                partial(self._read_images, turned=images_turned, fetched=images_fetched),
+                self.config.image_key,
+            ),
+        )
         media += (("video", videos, self._probe_videos, self.config.video_key),)
         for kind, values, read, column in media:
             if values is None:
@@ -223,13 +236,15 @@ class PromptTokenizeStage:
                 return row
         return row
 
-    def _read_images(self, row: PromptRow, images: list, *, turned: bool) -> None:
+    def _read_images(self, row: PromptRow, images: list, *, turned: bool, fetched: int | None) -> None:
         """The row's encoded images and their grids, from the image headers (no pixel work); ``turned``: sized as
-        turned by their EXIF Orientation."""
+        turned by their EXIF Orientation; ``fetched``: as resized by ``fetch_image`` with that patch size."""
         row.media_bytes = []
         for value in images:
             data = read_image_bytes(value, self.config.storage_options)
             width, height = image_size(data, turned=turned)
+            if fetched is not None:
+                width, height = fetch_image_size(width, height, fetched)
             row.media_bytes.append(data)
             row.image_grids.append(image_grid(width, height, self.vision))
 
