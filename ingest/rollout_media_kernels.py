@@ -50,7 +50,10 @@ def kernels_serve_installed_transformers() -> bool:
         return False
 
 
-_PLAIN_IMAGE_ITEM = frozenset({"type", "image"})  # an item with other keys (min_pixels, ...) goes to verl's functions
+# an image item the kernels make: an HF Image() column's ({type, image}), or a plain {bytes, path} struct's (verl 0.9
+# keeps the struct's keys beside the image as opened; fetch_image reads only "image"). An item with other keys
+# (min_pixels, ...) goes to verl's functions
+_PLAIN_IMAGE_ITEMS = (frozenset({"type", "image"}), frozenset({"type", "image", "bytes", "path"}))
 
 
 def _model_type(model_path: str) -> str | None:
@@ -95,7 +98,7 @@ class KernelMediaMaker:
             items = media_items(messages)
             return bool(items) and all(
                 item.get("type") == "image"
-                and set(item) == _PLAIN_IMAGE_ITEM
+                and set(item) in _PLAIN_IMAGE_ITEMS
                 and isinstance(item["image"], Image.Image)
                 for item in items
             )

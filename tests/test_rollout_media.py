@@ -518,9 +518,12 @@ def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer(monkeypatch):
 
 def _payloads_spec(root, geo3k_files: list, model_dir: str) -> dict:
     """``payloads``' spec: Qwen2-VL (as saved, and with a pixel budget its processor resizes the fetched images to),
-    Qwen2.5-VL and Qwen3-VL model folders."""
+    Qwen2.5-VL and Qwen3-VL model folders; the geo3k files, and the same as plain structs."""
     import json
     import shutil
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
 
     from tools.samples import qwen3_vl_model_dir, qwen25_vl_model_dir
 
@@ -539,17 +542,26 @@ def _payloads_spec(root, geo3k_files: list, model_dir: str) -> dict:
         rollout_model_dir(root / "qwen2.5-vl", qwen25_vl_model_dir(root / "qwen2.5-vl-processor"), "qwen2.5-vl"),
         rollout_model_dir(root / "qwen3-vl", qwen3_vl_model_dir(root / "qwen3-vl-processor"), "qwen3-vl"),
     ]
-    return {"check": "payloads", "files": [str(f) for f in geo3k_files], "models": models}
+    # the same rows as plain {bytes, path} structs (no Image() feature): verl 0.9 items of the image as opened
+    plain = []
+    for path in geo3k_files:
+        target = root / "plain" / Path(path).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pq.read_table(path).replace_schema_metadata(None), target, row_group_size=12)
+        plain.append(str(target))
+    return {"check": "payloads", "files": [*map(str, geo3k_files), *plain], "models": models}
 
 
 @slow
 def test_the_kernels_make_verls_payloads(verl09_checks):
-    """Every geo3k prompt our loader hands verl (every image kind), through verl 0.9.1's own media functions and
-    through the pipeline's kernels (no verl, transformers or torch): the same images, prompt ids, processor outputs
-    and training inputs, key by key and bit by bit, for Qwen2-VL (its fetched images kept, and resized by a smaller
-    pixel budget), Qwen2.5-VL and Qwen3-VL; a prompt verl refuses, the kernels refuse too."""
+    """Every geo3k prompt our loader hands verl (every image kind; from an HF ``Image()`` column, and as plain
+    ``{bytes, path}`` structs, whose items keep the struct's keys and the image as opened: L, P, RGBA), through verl
+    0.9.1's own media functions and through the pipeline's kernels (no verl, transformers or torch): the same
+    images, prompt ids, processor outputs and training inputs, key by key and bit by bit, for Qwen2-VL (its fetched
+    images kept, and resized by a smaller pixel budget), Qwen2.5-VL and Qwen3-VL; a prompt verl refuses, the kernels
+    refuse too."""
     result = verl09_checks["results"]["payloads"]
-    assert result["prompts"] >= 40
+    assert result["prompts"] >= 80
     for model, counts in result["models"].items():
         assert counts["differences"] == [], model
         assert counts["left_to_verl"] == 0 and counts["equal"] + counts["refused"] == result["prompts"], counts
