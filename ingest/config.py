@@ -119,6 +119,9 @@ VERL_KEYS_NOT_READ_BY_DATASET = frozenset(
         "datagen",
         "gen_batch_size",
         "video_fps",
+        # verl 0.9: each split's max_samples, which the dataset class gets as its own argument (max_samples below)
+        "train_max_samples",
+        "val_max_samples",
     }
 )
 
@@ -168,6 +171,12 @@ class DataConfig:
     # --- sampler keys verl reads in create_rl_sampler (same defaults) ---
     shuffle: bool = True
     seed: int = 1
+    # verl 0.9's dataset max_samples (data.train_max_samples / val_max_samples): this many rows drawn from the whole
+    # input (every file, in order) before the stream, as its RLHFDataset draws them before its filter: with a
+    # max_samples_seed numpy's choice seeded by it (verl: where data.shuffle is on, seeded by data.seed), else the
+    # first rows. -1: every row
+    max_samples: int = -1
+    max_samples_seed: int | None = None
 
     # --- pipeline keys ---
     # whose rows: ROW_FORMATS, or "auto" (the installed verl's; resolved here, on the driver, so actors need no verl)

@@ -34,7 +34,7 @@ def _digest(identity: Mapping[str, Any]) -> str:
 
 
 def _unit_identity(plan: InputPlan, config: DataConfig, multimodal: bool) -> dict[str, Any]:
-    return {
+    identity = {
         "files": plan.files,
         "row_groups": [list(info.row_group_rows) for info in plan.infos],
         "rows_per_task": config.read_rows_per_task,
@@ -43,6 +43,9 @@ def _unit_identity(plan: InputPlan, config: DataConfig, multimodal: bool) -> dic
         "seed": config.seed,
         "shuffle": config.shuffle,
     }
+    if config.max_samples > 0:  # the rows drawn (only then, so that earlier states keep their fingerprints)
+        identity.update(max_samples=config.max_samples, max_samples_seed=config.max_samples_seed)
+    return identity
 
 
 def epoch_fingerprint(plan: InputPlan, config: DataConfig, multimodal: bool) -> str:

@@ -17,7 +17,7 @@ from ingest.demo import gsm8k_rows
 from ingest.errors import BadRowError, find_ingest_error
 from ingest.run import run_pipeline
 from tests.support import formats
-from tests.support.compare import assert_same_batches
+from tests.support.compare import assert_same, assert_same_batches
 from tests.support.media import write_path_string_image_rows
 from tests.support.tiers import first_fast, first_in_matrix, slow
 from tools.oracle import OracleServer, oracle_available
@@ -110,6 +110,47 @@ def test_text_rows_equal_verl_08(ray_session, variety_files, model_dir, text_run
     expected = text_runs_08[index]
     assert "error" not in expected, expected.get("error")
     assert_same_batches(_ours(variety_files, model_dir, TEXT_CONFIGS[index]), expected["batches"])
+
+
+MAX_SAMPLES_CONFIGS = [
+    {"shuffle": True, "seed": 7, "filter_overlong_prompts": True, "max_prompt_length": 256},
+    {"shuffle": False, "filter_overlong_prompts": True, "max_prompt_length": 256},
+]
+
+
+@pytest.mark.parametrize("index", range(len(MAX_SAMPLES_CONFIGS)), ids=["shuffled, seed 7", "not shuffled"])
+def test_max_samples_draws_the_rows_verl_09_draws(ray_session, model_dir, tmp_path, index):
+    """``data.train_max_samples`` (the dataset's ``max_samples``): verl 0.9.1 draws 60 of 300 rows (two files) from
+    its loaded table before its filter, seeded by ``data.seed`` where ``data.shuffle``, else the first 60. Ours
+    draws the same rows from the footers' count, before the stream (``IngestDataset``, as verl's trainer builds
+    it): the same rows after the filter, each equal; without shuffle in the same order."""
+    from ingest.demo import write_gsm8k_parquet
+    from ingest.verl import IngestDataset
+
+    files = write_gsm8k_parquet(tmp_path / "data", 300, num_files=2, row_group_size=50, long_every=7)
+    config = MAX_SAMPLES_CONFIGS[index]
+    expected = _verl(files, model_dir, [{**config, "max_samples": 60}], tmp_path / "verl-cache")[0]
+    assert "error" not in expected, expected.get("error")
+    dataset = IngestDataset(files, model_dir, None, {**config, "row_format": ROW_FORMAT}, max_samples=60)
+    ours = list(dataset.loader(BATCH, drop_last=False, shuffle=False))
+    assert 40 < len(dataset) == len(expected["rows"]) < 60  # drawn, then filtered
+    if not config["shuffle"]:
+        assert_same_batches(ours, expected["batches"])
+        return
+
+    # verl's table is in its draw's order; ours reads the drawn rows in file order: the same rows, each equal
+    def by_index(batches: list[dict]) -> dict:
+        return {
+            int(index): {key: batch[key][i] for key in batch}
+            for batch in batches
+            for i, index in enumerate(batch["index"])
+        }
+
+    mine, theirs = by_index(ours), by_index(expected["batches"])
+    assert sorted(mine) == sorted(theirs) and len(theirs) == len(expected["rows"])
+    for index, row in theirs.items():
+        assert_same(mine[index], row, f"row {index}")
+    assert list(theirs) != sorted(theirs)  # verl's order is its draw's, not the files'
 
 
 @slow

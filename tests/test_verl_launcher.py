@@ -113,9 +113,33 @@ def test_the_pipelines_data_keys_work_typed_plain_or_with_a_plus():
     ]
 
 
-def test_another_dataset_class_and_max_samples_are_refused(model_dir, tmp_path):
-    """The pipeline makes the rows: a ``data.custom_cls`` naming another class, and verl 0.9's
-    ``train_max_samples`` (a sample of the loaded table), are errors before anything is read."""
+def test_max_samples_draw_is_seeded_as_verls_and_made_once(model_dir, tmp_path):
+    """verl 0.9.1 draws ``max_samples`` rows seeded by ``data.seed`` where ``data.shuffle`` (unseeded where the seed
+    is null), else takes the first rows: ``IngestDataset`` keeps that seed, or draws one once, so the count and every
+    epoch read the same rows; the trainer's stand-ins take each split's ``*_max_samples``."""
+    from omegaconf import OmegaConf
+
+    from ingest.verl import IngestDataset
+    from ingest.verl.trainer import _stand_in
+
+    files = write_gsm8k_parquet(tmp_path / "data", 8, num_files=1)
+    seeded = IngestDataset(files, model_dir, None, {"shuffle": True, "seed": 7}, max_samples=5)
+    assert seeded.config["max_samples"] == 5 and seeded.config["max_samples_seed"] == 7
+    assert (
+        IngestDataset(files, model_dir, None, {"shuffle": False, "seed": 7}, max_samples=5).config["max_samples_seed"]
+        is None
+    )
+    unseeded = [IngestDataset(files, model_dir, None, {"shuffle": True, "seed": None}, max_samples=5) for _ in "ab"]
+    assert len({dataset.config["max_samples_seed"] for dataset in unseeded}) == 2  # verl's draw is unseeded there
+    assert "max_samples" not in IngestDataset(files, model_dir, None, {}, max_samples=-1).config
+    data = OmegaConf.create({"train_max_samples": 6, "val_max_samples": -1, "shuffle": False})
+    assert _stand_in(None, files, model_dir, None, data, "train").config["max_samples"] == 6
+    assert "max_samples" not in _stand_in(None, files, model_dir, None, data, "val").config
+
+
+def test_another_dataset_class_is_refused(model_dir, tmp_path):
+    """The pipeline makes the rows: a ``data.custom_cls`` naming another class is an error before anything is read
+    (verl 0.9's ``train_max_samples``: ``tests/test_parity_verl09.py``)."""
     from omegaconf import OmegaConf
 
     from ingest.verl import IngestDataset
@@ -128,7 +152,5 @@ def test_another_dataset_class_and_max_samples_are_refused(model_dir, tmp_path):
     select_ingest_dataset(config)
     assert config.data.custom_cls == {"path": "pkg://ingest.verl.dataset", "name": "IngestDataset"}
     files = write_gsm8k_parquet(tmp_path / "data", 8, num_files=1)
-    with pytest.raises(ValueError, match="max_samples = 5: not supported"):
-        IngestDataset(files, model_dir, None, {}, max_samples=5)
     with pytest.raises(TypeError, match="holds no rows"):
         IngestDataset(files, model_dir, None, {}, max_samples=-1)[0]

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from ingest.config import DataConfig, StageContext
 from ingest.errors import ModelLoadError, SourceError
 from ingest.read.files import FileInfo, expand_files, inspect_files, printable_path, reads_as_pil_images, unify_schemas
-from ingest.read.units import ParquetUnitsDatasource, ReadUnit, plan_units, shuffle_units, split_first_unit
+from ingest.read.units import (
+    ParquetUnitsDatasource,
+    ReadUnit,
+    drawn_units,
+    plan_units,
+    shuffle_units,
+    split_first_unit,
+)
 
 FilesArg = str | os.PathLike | Sequence[str | os.PathLike]
 
@@ -38,6 +45,20 @@ class InputPlan:
         return StageContext(tuple(printable_path(p) for p in self.files), ledger, keep_provenance, plain)
 
 
+def drawn_rows(total: int, cfg: DataConfig):
+    """The rows ``cfg.max_samples`` keeps of ``total`` (indices into every file's rows in order), as verl 0.9.1's
+    ``RLHFDataset`` draws them from its loaded table: with ``max_samples_seed``
+    ``numpy.random.default_rng(seed).choice(total, max_samples, replace=False)``, else the first ``max_samples``;
+    None where it keeps every row."""
+    import numpy as np
+
+    if not 0 < cfg.max_samples < total:
+        return None
+    if cfg.max_samples_seed is None:
+        return np.arange(cfg.max_samples)
+    return np.random.default_rng(cfg.max_samples_seed).choice(total, size=cfg.max_samples, replace=False)
+
+
 def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: bool = False) -> InputPlan:
     paths = expand_files(files, cfg.storage_options)
     infos = inspect_files(paths, cfg.storage_options)
@@ -52,6 +73,9 @@ def plan_input(files: FilesArg, cfg: DataConfig, *, epoch: int = 0, multimodal: 
     if multimodal:  # decode / vision take one unit's block per call and emit it when done: keep image units small
         rows_per_task = min(rows_per_task, 4 * cfg.vision_batch_size)
     units = plan_units(infos, rows_per_task)
+    drawn = drawn_rows(sum(info.num_rows for info in infos), cfg)
+    if drawn is not None:
+        units = drawn_units(units, drawn, [info.num_rows for info in infos])
     if cfg.shuffle:
         units = shuffle_units(units, cfg.seed, epoch)
     return InputPlan(paths, infos, split_first_unit(units, cfg.read_first_unit_rows))

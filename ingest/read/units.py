@@ -47,10 +47,12 @@ class ReadUnit:
     first_row: int  # row index in the file of the first row of row_groups[0]
     slice_start: int  # rows to skip / keep inside the concatenated row groups
     slice_stop: int
+    # the slice's rows to read (offsets from slice_start, ascending); None: all of them (rows drawn: max_samples)
+    rows: tuple[int, ...] | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.slice_stop - self.slice_start
+        return self.slice_stop - self.slice_start if self.rows is None else len(self.rows)
 
 
 class UnitIndex:
@@ -112,9 +114,27 @@ def split_first_unit(units: list[ReadUnit], rows: int) -> list[ReadUnit]:
         return units
     first, heads = units[0], []
     while len(heads) < 2 and first.num_rows > rows:
-        heads.append(dataclasses.replace(first, slice_stop=first.slice_start + rows))
-        first = dataclasses.replace(first, slice_start=heads[-1].slice_stop)
+        if first.rows is None:
+            heads.append(dataclasses.replace(first, slice_stop=first.slice_start + rows))
+            first = dataclasses.replace(first, slice_start=heads[-1].slice_stop)
+        else:
+            heads.append(dataclasses.replace(first, rows=first.rows[:rows]))
+            first = dataclasses.replace(first, rows=first.rows[rows:])
     return [*heads, first, *units[1:]]
+
+
+def drawn_units(units: list[ReadUnit], drawn: np.ndarray, file_rows: Sequence[int]) -> list[ReadUnit]:
+    """``units`` (``plan_units``' order) reading only the rows ``drawn`` (indices into the files' rows taken in file
+    order, as one table of them all): each unit its drawn rows, a unit with none left out."""
+    starts = np.concatenate([[0], np.cumsum(file_rows)[:-1]]).astype(np.int64)
+    drawn = np.sort(np.asarray(drawn, dtype=np.int64))
+    out = []
+    for unit in units:
+        first = starts[unit.file_index] + unit.first_row + unit.slice_start
+        lo, hi = np.searchsorted(drawn, [first, first + unit.num_rows])
+        if hi > lo:
+            out.append(dataclasses.replace(unit, rows=tuple(int(i) for i in drawn[lo:hi] - first)))
+    return out
 
 
 def shuffle_units(units: list[ReadUnit], seed: int, epoch: int = 0) -> list[ReadUnit]:
@@ -145,7 +165,8 @@ def read_unit(
                 seen += batch.num_rows
                 if seen >= unit.slice_stop:
                     break
-            table = pa.Table.from_batches(batches, schema=batches[0].schema).slice(unit.slice_start, unit.num_rows)
+            stop = unit.slice_stop - unit.slice_start
+            table = pa.Table.from_batches(batches, schema=batches[0].schema).slice(unit.slice_start, stop)
     except SourceError:
         raise
     except Exception as exc:
@@ -157,7 +178,10 @@ def read_unit(
         ) from None
     check_no_pickles(table.schema, path)  # the footer was checked when planning; the file may have changed since
     table = conform(table, schema)
-    rows = np.arange(unit.num_rows, dtype=np.int64) + unit.first_row + unit.slice_start
+    rows = np.arange(unit.num_rows, dtype=np.int64) if unit.rows is None else np.asarray(unit.rows, dtype=np.int64)
+    if unit.rows is not None:
+        table = table.take(rows)
+    rows += unit.first_row + unit.slice_start
     if shuffle_seed is not None:
         perm = _row_permutation(unit, shuffle_seed, epoch)
         table, rows = table.take(perm), rows[perm]

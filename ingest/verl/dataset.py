@@ -67,6 +67,18 @@ def _model_path(model: Any) -> str | None:
     return getattr(model, "name_or_path", None) or model.tokenizer.name_or_path
 
 
+def _max_samples_seed(config: Mapping[str, Any]) -> int | None:
+    """The seed of verl 0.9.1's draw of ``max_samples`` rows (``RLHFDataset``): with the section's ``shuffle`` (False
+    where unset, as verl reads it) its ``seed``, or where that is null a fresh one (verl's draw is unseeded then; this
+    one is drawn once, so the count and every epoch read the same rows); without shuffle None (the first rows)."""
+    import numpy as np
+
+    if not config.get("shuffle", False):
+        return None
+    seed = config.get("seed")
+    return int(seed) if seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
+
+
 class IngestDataset(_VerlDataset):
     """verl's dataset constructor signature (``data_files, tokenizer, processor, config, max_samples``); ``len()`` is
     one epoch's rows after the filter and quarantine. ``row_format`` defaults to ``auto`` (the installed verl's)."""
@@ -79,18 +91,16 @@ class IngestDataset(_VerlDataset):
         config: Mapping[str, Any] | None = None,
         max_samples: int = -1,
     ):
-        if max_samples is not None and max_samples > 0:
-            # verl 0.9 samples max_samples rows of the loaded table before its filter: a whole-table operation this
-            # stream has no equivalent of, so the key is refused rather than ignored
-            raise ValueError(
-                f"data.train_max_samples / val_max_samples = {max_samples}: not supported by the ingest pipeline "
-                "(it streams every row of the files); write the subset you want as its own files"
-            )
         self.files = _files(data_files)
         self.model_path = _model_path(tokenizer)
         self.processor_path = self.model_path if processor is not None else None
         self.config = data_mapping(config or {})
         self.config.setdefault("row_format", "auto")
+        if max_samples is not None and max_samples > 0:
+            # verl 0.9 draws max_samples rows of its loaded table here, before its filter: the same rows are drawn
+            # from the footers' count, before the stream (DataConfig.max_samples)
+            self.config["max_samples"] = int(max_samples)
+            self.config["max_samples_seed"] = _max_samples_seed(self.config)
         self._num_rows: int | None = None
 
     @property

@@ -65,6 +65,8 @@ def count_key(plan: InputPlan, tokenizer, config: DataConfig, processor=None) ->
         for k, v in config.to_dict().items()
         if k not in _LAYOUT_KEYS and not k.endswith(("_pool_min_size", "_pool_max_size", "_num_cpus", "_num_gpus"))
     }
+    if config.max_samples <= 0:  # every row: the keys of counts cached before the draw existed
+        del settings["max_samples"], settings["max_samples_seed"]
     identity = {
         "files": [
             [info.path, list(info.row_group_rows), str(info.schema), _file_identity(info.path)] for info in plan.infos

@@ -23,7 +23,9 @@ from ingest.verl.loader import VerlDataLoader
 logger = logging.getLogger(__name__)
 
 
-def _stand_in(dataset: Any, files: Any, tokenizer: Any, processor: Any, data: Any) -> IngestDataset:
+def _stand_in(dataset: Any, files: Any, tokenizer: Any, processor: Any, data: Any, split: str) -> IngestDataset:
+    """``dataset`` where it is an ``IngestDataset``, else one over ``files`` for verl's ``split`` ("train" / "val":
+    its ``max_samples``)."""
     if isinstance(dataset, IngestDataset):
         return dataset
     if dataset is not None:
@@ -34,7 +36,7 @@ def _stand_in(dataset: Any, files: Any, tokenizer: Any, processor: Any, data: An
             CUSTOM_CLS["path"],
             CUSTOM_CLS["name"],
         )
-    return IngestDataset(files, tokenizer, processor, data)
+    return IngestDataset(files, tokenizer, processor, data, max_samples=data.get(f"{split}_max_samples", -1))
 
 
 def _loaders(train: IngestDataset, val: IngestDataset, data: Any) -> tuple[VerlDataLoader, VerlDataLoader]:
@@ -80,8 +82,8 @@ def ingest_trainer(trainer_cls: type) -> type:
             from torch.utils.data import SequentialSampler
 
             data = self.config.data
-            train = _stand_in(train_dataset, data.train_files, self.tokenizer, self.processor, data)
-            val = _stand_in(val_dataset, data.val_files, self.tokenizer, self.processor, data)
+            train = _stand_in(train_dataset, data.train_files, self.tokenizer, self.processor, data, "train")
+            val = _stand_in(val_dataset, data.val_files, self.tokenizer, self.processor, data, "val")
             super()._create_dataloader(train, val, collate_fn or list, SequentialSampler(train))
             self.train_dataloader, self.val_dataloader = _loaders(train, val, data)
             _report(self)

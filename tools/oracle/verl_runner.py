@@ -365,7 +365,9 @@ def _rows(spec: dict) -> None:
     for one in spec.get("configs", [spec["config"]]):
         try:
             one = {**in_process_filter, **one}
-            dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor)
+            # verl 0.8 and later take max_samples (the trainer's data.train_max_samples / val_max_samples)
+            draw = {"max_samples": one.pop("max_samples")} if "max_samples" in one else {}
+            dataset = RLHFDataset(list(spec["files"]), tokenizer, OmegaConf.create(one), processor, **draw)
             rows = [dataset[i] for i in range(len(dataset))]
         except Exception as exc:  # the oracle's own errors are part of the contract (truncation="error")
             runs.append({"error": f"{type(exc).__name__}: {exc}"})
