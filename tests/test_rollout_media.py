@@ -25,7 +25,7 @@ from ingest.rollout_media import (
 )
 from ingest.rollout_media_kernels import kernels_serve_installed_transformers
 from ingest.verl.rollout_media import fetch_payload, fetch_payloads, handed_off, sample_media
-from tests.support.tiers import matrix, slow
+from tests.support.tiers import first_in_matrix, matrix, slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import rollout_model_dir
 
@@ -399,7 +399,14 @@ def _verl09_check(item: pytest.Item) -> str | None:
     name = getattr(item, "originalname", item.name)
     if name == "test_handed_off_media_give_verls_agent_loop_inputs":
         return "compare" if item.callspec.params["row_format"] == "verl-0.9" else None
+    if name == "test_handed_off_media_give_verls_v1_agent_loop_inputs":
+        return "compare_v1"
     return checks.get(name)
+
+
+def _v1_cases(items: list[pytest.Item]) -> list[int]:
+    """The v1 comparison's cases (indices into ``HANDOFF_CASES["verl-0.9"]``) the selected ``items`` read."""
+    return sorted({item.callspec.params["case"] for item in items if _verl09_check(item) == "compare_v1"})
 
 
 @pytest.fixture(scope="module")
@@ -414,6 +421,14 @@ def verl09_checks(geo3k_files, model_dir, tmp_path_factory, request) -> dict:
         "compare": lambda: {
             "check": "compare",
             "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir),
+        },
+        "compare_v1": lambda: {
+            "check": "compare_v1",
+            "cases": [
+                {**case, "index": index}
+                for index, case in enumerate(_handoff_cases("verl-0.9", root / "compare-v1", geo3k_files, model_dir))
+                if index in _v1_cases(request.session.items)
+            ],
         },
         "payloads": lambda: _payloads_spec(root / "payloads", geo3k_files, model_dir),
         "lifetime": lambda: _lifetime_spec(root / "lifetime", model_dir),
@@ -476,6 +491,64 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
         raw_prompt = outcome["last_raw_prompt"][0]
         items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
         assert items and all(parse_media_uri(item[item["type"]]) for item in items)
+
+
+def _same_sample(ours: dict, theirs: dict, where) -> None:
+    for name, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[name].dtype == value.dtype and torch.equal(ours[name], value), (where, name)
+        elif isinstance(value, dict):
+            assert ours[name].keys() == value.keys(), (where, name, value.keys())
+            for key, tensor in value.items():
+                assert ours[name][key].dtype == tensor.dtype and torch.equal(ours[name][key], tensor), (where, key)
+        else:
+            assert ours[name] == value, (where, name)
+
+
+@slow
+@pytest.mark.parametrize(
+    "case",
+    first_in_matrix(
+        range(len(HANDOFF_CASES["verl-0.9"])), ids=[" ".join(map(str, c)) for c in HANDOFF_CASES["verl-0.9"]]
+    ),
+)
+def test_handed_off_media_give_verls_v1_agent_loop_inputs(verl09_checks, case):
+    """verl 0.9's default trainer (``trainer.use_v1``): its ``AgentLoopWorkerTQ`` runs one prompt's ``rollout.n``
+    sessions in one worker and puts each sample into TransferQueue (a real one). verl's own v1 trainer code builds
+    and registers the batches; stock (``RLHFDataset``) and hand-off (``IngestAgentLoopWorkerTQ``) put the same
+    prompt ids, responses, masks, position ids and ``multi_modal_inputs``, sample by sample, and the server gets the
+    same prompt ids, images and video frames; no hand-off sample makes its prompt's media again."""
+    specs = verl09_checks["specs"]["compare_v1"]["cases"]
+    position = [spec["index"] for spec in specs].index(case)
+    spec, result = specs[position], verl09_checks["results"]["compare_v1"]["cases"][position]
+    family, media, n, prompts, agent = spec["case"]
+    stock, handoff = result["stock"], result["handoff"]
+    assert len(stock["samples"]) == len(handoff["samples"]) == spec["batches"]
+    for step, (theirs, ours) in enumerate(zip(stock["samples"], handoff["samples"], strict=True)):
+        assert len(theirs) == len(ours) == spec["batch_size"] * n
+        for k, (mine, expected) in enumerate(zip(ours, theirs, strict=True)):
+            kind = "pixel_values" if media == "images" else "pixel_values_videos"
+            assert kind in expected["multi_modal_inputs"], (spec["case"], expected["multi_modal_inputs"].keys())
+            _same_sample(mine, expected, (spec["case"], step, k))
+    order = lambda request: request["prompt_ids"]  # noqa: E731
+    theirs, mine = sorted(stock["requests"], key=order), sorted(handoff["requests"], key=order)
+    assert len(theirs) == len(mine) == prompts * n
+    for expected, got in zip(theirs, mine, strict=True):
+        assert expected["prompt_ids"] == got["prompt_ids"]
+        assert _same_arrays(got["images"], expected["images"]) and expected["images"]
+        assert _same_arrays(got["videos"], expected["videos"]) and bool(expected["videos"]) == (media != "images")
+    counts = handoff["counts"]
+    renders = prompts * n if agent == "tool_agent" else 0
+    assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (spec["case"], counts)
+    maker = "kernels" if media == "images" and kernels_serve_installed_transformers() else "verl"
+    assert counts["made_by"][maker] > 0 and sum(counts["made_by"].values()) == counts["made_by"][maker], counts
+    items = [
+        item
+        for message in handoff["last_raw_prompt"][0]
+        for item in message["content"]
+        if item["type"] in ("image", "video")
+    ]
+    assert items and all(parse_media_uri(item[item["type"]]) for item in items)
 
 
 def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer(monkeypatch):

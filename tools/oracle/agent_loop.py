@@ -643,7 +643,14 @@ def several(spec: dict) -> dict:
     return results
 
 
+def _compare_v1(spec: dict) -> dict:
+    from tools.oracle.agent_loop_tq import compare_v1_cases  # verl 0.9's v1 worker: TransferQueue
+
+    return compare_v1_cases(spec)
+
+
 CHECKS["compare"] = compare_cases
+CHECKS["compare_v1"] = _compare_v1
 CHECKS["several"] = several
 
 

@@ -1,0 +1,200 @@
+"""verl 0.9's v1 agent loop (``AgentLoopWorkerTQ``: one prompt's ``rollout.n`` sessions in one worker, outputs put
+into TransferQueue) on CPU, stock and on handed-off media, inside the verl 0.9.1 oracle (``agent_loop`` mode, check
+``compare_v1``), with a real TransferQueue on a local Ray cluster.
+
+Both sides take the same prompts from this pipeline's ``VerlDataLoader`` (as ``agent_loop.py``'s legacy comparison
+does), through verl's own v1 trainer code: ``PPOTrainer._next_train_batch`` (the fetch, the uids, the TensorDict)
+and ``_submit_batch_to_rollout`` (the prompts registered in TransferQueue, then the manager's ``generate_sequences``,
+here one worker's). The stock side runs verl's ``AgentLoopWorkerTQ`` with ``RLHFDataset``; the hand-off side
+``IngestAgentLoopWorkerTQ`` with ``IngestDataset`` and ``media_handoff``. Once TransferQueue marks every prompt
+finished, each sample's fields are read back from it; with what the stand-in server received (prompt ids, images,
+videos) and the hand-off worker's count of qwen-vl-utils and processor calls, they are pickled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from tools.oracle.agent_loop import TOOL_CONFIG, CallCounter, FixedTokenServer, _shutdown_ray, trainer_config
+
+# what a sample's worker puts into TransferQueue and the trainer trains on; the rest are the prompt's own fields
+# (raw_prompt holds media URIs on the hand-off side) and the worker's bookkeeping
+COMPARED_FIELDS = ("prompts", "responses", "response_mask", "input_ids", "position_ids", "multi_modal_inputs")
+PARTITION = "train"
+
+
+def _worker_class(handoff: bool) -> type:
+    """verl's v1 worker class (the hand-off one with ``handoff``) that reports what its server received, and on the
+    hand-off side its media call counts and which maker made the payloads it fetched."""
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    base = AgentLoopWorkerTQ.__ray_metadata__.modified_class.__ray_actor_class__
+    if handoff:
+        from ingest.verl.agent_loop import IngestAgentLoopWorkerTQ
+
+        base = IngestAgentLoopWorkerTQ
+
+    class RecordingWorker(base):
+        def __init__(self, config, server: FixedTokenServer):
+            super().__init__(config, server)
+            self.counter = CallCounter(self.processor) if handoff else None
+
+        def stats(self) -> dict:
+            from ingest.verl import rollout_media
+
+            made_by = [payload["made_by"] for payload in rollout_media._CACHE.payloads.values()]
+            counts = {} if self.counter is None else dict(self.counter.counts)
+            return {
+                "requests": self.llm_client.requests,
+                "counts": {**counts, "made_by": {m: made_by.count(m) for m in ("kernels", "verl")}},
+            }
+
+    return RecordingWorker
+
+
+class _TrainerStandIn:
+    """verl's v1 ``PPOTrainer`` methods that fetch and submit a batch (its own functions, ``with_verls_methods``) on
+    the attributes they read, with ``worker`` as the agent-loop manager."""
+
+    @classmethod
+    def with_verls_methods(cls) -> type:
+        from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+        names = ("_fetch_one_gen_batch", "_next_train_batch", "_submit_batch_to_rollout")
+        return type("TrainerStandIn", (cls,), {name: getattr(PPOTrainer, name) for name in names})
+
+    def __init__(self, loader, batch_size: int, worker, agent: str | None):
+        from omegaconf import OmegaConf
+
+        self.config = OmegaConf.create({"data": {"train_batch_size": batch_size, "gen_batch_size": None}})
+        self.train_dataloader = AgentNamedBatches(loader, agent)
+        self.train_dataloader_it = None
+        self.global_steps = 0
+        self.trainer_mode = "sync"
+        self.agent_loop_manager = self
+        self.worker = worker
+
+    def generate_sequences(self, batch) -> None:
+        import ray
+
+        ray.get(self.worker.generate_sequences.remote(batch))  # the worker's sessions run on in the background
+
+
+class AgentNamedBatches:
+    """Stands where the dataloader is: ``loader``'s batches, each row's ``agent_name`` ``agent`` where given (as a
+    dataset's column sets it)."""
+
+    def __init__(self, loader, agent: str | None):
+        self.loader, self.agent = loader, agent
+
+    def __iter__(self):
+        for batch in self.loader:
+            if self.agent is not None:
+                batch = {**batch, "agent_name": np.array([self.agent] * len(batch["raw_prompt"]), dtype=object)}
+            yield batch
+
+
+def _finished(uids: list[str], timeout: float = 600) -> None:
+    """Wait until TransferQueue marks each prompt of ``uids`` finished (a failure is an error)."""
+    import transfer_queue as tq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        tags = tq.kv_list(PARTITION).get(PARTITION, {})
+        status = {uid: (tags.get(uid) or {}).get("status") for uid in uids}
+        if any(s == "failure" for s in status.values()):
+            raise RuntimeError(f"an agent loop failed: {status}")
+        if all(s == "finished" for s in status.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"agent loops not finished: {status}")
+        time.sleep(0.2)
+
+
+def _plain(value: Any) -> Any:
+    """A TransferQueue field's value as plain data: tensors cloned, tensordict lists and stacks as lists."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    data = getattr(value, "data", None)
+    if data is not None and not isinstance(value, np.ndarray):
+        return _plain(data)
+    return value
+
+
+def _samples(uids: list[str], n: int) -> list[dict]:
+    """Each prompt's ``n`` sessions' fields (``COMPARED_FIELDS``), in prompt order, then session order."""
+    import transfer_queue as tq
+
+    keys = [f"{uid}_{session}_0" for uid in uids for session in range(n)]
+    fields = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=list(COMPARED_FIELDS))
+    samples = []
+    for i in range(len(keys)):
+        sample = {}
+        for name in COMPARED_FIELDS:
+            column = fields[name]
+            value = column.unbind(0)[i] if getattr(column, "is_nested", False) else column[i]
+            sample[name] = _plain(value)
+        samples.append(sample)
+    return samples
+
+
+def compare_v1(spec: dict) -> dict:
+    """Both sides on the first ``spec["batches"]`` batches of the files' rows (Ray and TransferQueue started)."""
+    import ray
+    import transfer_queue as tq
+
+    from ingest.verl import VerlDataLoader
+
+    model, n, size, agent = spec["model"], spec["n"], spec["batch_size"], spec.get("agent")
+    data = {"shuffle": False, **spec["data"]}  # row_format among them
+    tool_config = None
+    if agent == "tool_agent":
+        tool_config = os.path.join(os.path.dirname(model), "tool_config.yaml")
+        with open(tool_config, "w") as f:
+            f.write(TOOL_CONFIG)
+    result = {}
+    for side, handoff in (("stock", False), ("handoff", True)):
+        config = trainer_config(model, n, spec["prompt_length"], handoff, tool_config)
+        worker = ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(config, FixedTokenServer())
+        loader = VerlDataLoader(spec["files"], model, {**data, "media_handoff": handoff}, size, model, drop_last=False)
+        trainer = _TrainerStandIn.with_verls_methods()(loader, size, worker, agent)
+        samples, raw_prompt = [], None
+        for step in range(1, spec["batches"] + 1):
+            trainer.global_steps = step
+            batch = trainer._next_train_batch()  # verl's own: fetch, uids, TensorDict
+            uids = list(batch["uid"])
+            raw_prompt = [list(messages) for messages in batch["raw_prompt"]]
+            trainer._submit_batch_to_rollout(batch)  # verl's own: TransferQueue, generate_sequences
+            _finished(uids)
+            samples.append(_samples(uids, n))
+        result[side] = {"samples": samples, "last_raw_prompt": raw_prompt, **ray.get(worker.stats.remote())}
+        tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
+        ray.kill(worker)
+        del trainer, loader  # the hand-off loader's store goes with it
+    return result
+
+
+def compare_v1_cases(spec: dict) -> dict:
+    """``compare_v1`` for each of ``spec["cases"]``, in one process, one Ray session and one TransferQueue."""
+    import ray
+    import transfer_queue as tq
+
+    # the workers' actors import this module: the repository root on their path, as on this process's
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    # TransferQueue's controller and storage units take a CPU each; the pipeline's actors need theirs beside them
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    tq.init()
+    try:
+        return {"cases": [compare_v1({**spec, **case}) for case in spec["cases"]]}
+    finally:
+        tq.close()
+        _shutdown_ray()
