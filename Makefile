@@ -43,7 +43,8 @@ demo: $(STAMP)
 	$(PY) -m ingest run --output out/demo --summary-json out/demo/summary.json
 
 # torchcodec (a test requirement) finds FFmpeg through PyAV's libraries: the vision_video_decoder tests use it.
-# --durations: every run prints its slowest tests, so the tiers' budgets can be kept (the fast one: 10 minutes).
+# --durations: every run prints its slowest tests, so the tiers' budgets can be kept (the fast one: 10 minutes); each
+# lane's JUnit XML (out/TIER-main.xml, out/TIER-side.xml) holds every test's seconds, to balance the lanes by.
 # The tests' clusters run Ray's monitors at a slower pace (both cost CPU that the tests' pipelines want): the log
 # monitor looks for new log files every 0.5 s from the start, as Ray does once a cluster has 1,000 of them (not every
 # 0.1 s), and each node's dashboard agent reports its processes' stats to a dashboard every 30 s (not 5 s).
@@ -63,9 +64,9 @@ SIDE_TESTS := tests/test_node_loss.py tests/test_cluster.py tests/test_layout.py
 	tests/test_faults_s3.py tests/test_cli.py
 # $(call LANES,TIER,ARGS): the tier's two pytests (pytest ARGS: the tier's selection), failing if either fails
 LANES = mkdir -p out; started=$$(date +%s); \
-	( RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 $(2) $(SIDE_TESTS) \
+	( RAY_TMPDIR=/tmp/ingest-tests $(PYTEST) -p no:cacheprovider --durations=10 --junitxml=out/$(1)-side.xml $(2) $(SIDE_TESTS) \
 		> out/$(1)-side.log 2>&1; rc=$$?; $(call RECORD,"  $(1): side pytest",$$started); exit $$rc ) & side=$$!; \
-	$(PYTEST) --durations=25 $(2) $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
+	$(PYTEST) --durations=25 --junitxml=out/$(1)-main.xml $(2) $(addprefix --ignore=,$(SIDE_TESTS)) tests; main=$$?; \
 	$(call RECORD,"  $(1): main pytest",$$started); \
 	wait $$side; side_rc=$$?; echo "== $(SIDE_TESTS)"; cat out/$(1)-side.log; \
 	exit $$(( main || side_rc ))
