@@ -389,52 +389,56 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
     return cases
 
 
+LEGACY_COMPARISON = "test_handed_off_media_give_verls_agent_loop_inputs"
+V1_COMPARISON = "test_handed_off_media_give_verls_v1_agent_loop_inputs"
+
+
 def _verl09_check(item: pytest.Item) -> str | None:
     """The check of the verl 0.9.1 oracle's agent-loop run that test ``item`` reads, if any."""
     checks = {
+        V1_COMPARISON: "compare",  # on the legacy comparison's batches
         "test_the_kernels_make_verls_payloads": "payloads",
         "test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume": "lifetime",
         "test_the_store_stays_within_the_window_over_a_long_run_with_stalls": "bound",
     }
     name = getattr(item, "originalname", item.name)
-    if name == "test_handed_off_media_give_verls_agent_loop_inputs":
+    if name == LEGACY_COMPARISON:
         return "compare" if item.callspec.params["row_format"] == "verl-0.9" else None
-    if name == "test_handed_off_media_give_verls_v1_agent_loop_inputs":
-        return "compare_v1"
     return checks.get(name)
 
 
-def _v1_cases(items: list[pytest.Item]) -> list[int]:
-    """The v1 comparison's cases (indices into ``HANDOFF_CASES["verl-0.9"]``) the selected ``items`` read."""
-    return sorted({item.callspec.params["case"] for item in items if _verl09_check(item) == "compare_v1"})
+def _compare_spec(root, geo3k_files: list, model_dir: str, items: list[pytest.Item]) -> dict:
+    """The comparison's cases the selected ``items`` read: each through the legacy worker where its test is selected,
+    and through the v1 worker too where that case's v1 test is (on the same batches)."""
+    names = [(getattr(item, "originalname", item.name), item) for item in items if _verl09_check(item) == "compare"]
+    legacy = any(name == LEGACY_COMPARISON for name, _ in names)
+    v1 = {item.callspec.params["case"] for name, item in names if name == V1_COMPARISON}
+    cases = _handoff_cases("verl-0.9", root, geo3k_files, model_dir)
+    return {
+        "check": "compare",
+        "cases": [
+            {**case, "index": index, "legacy": legacy, "v1": index in v1}
+            for index, case in enumerate(cases)
+            if legacy or index in v1
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
 def verl09_checks(geo3k_files, model_dir, tmp_path_factory, request) -> dict:
-    """The verl 0.9.1 oracle's agent-loop checks of this module (the comparison, the lifetime, the bound) in one
+    """The verl 0.9.1 oracle's agent-loop checks of this module (the comparisons, the lifetime, the bound) in one
     process, each in a Ray session of its own: verl, transformers and torch are imported once. Each test reads its
     part (``specs`` and ``results`` by check)."""
     if not oracle_available("verl-0.9"):
         pytest.skip("the verl-0.9 oracle is not installed (make oracle)")
     root = tmp_path_factory.mktemp("verl-0.9-agent-loop")
     specs = {
-        "compare": lambda: {
-            "check": "compare",
-            "cases": _handoff_cases("verl-0.9", root / "compare", geo3k_files, model_dir),
-        },
-        "compare_v1": lambda: {
-            "check": "compare_v1",
-            "cases": [
-                {**case, "index": index}
-                for index, case in enumerate(_handoff_cases("verl-0.9", root / "compare-v1", geo3k_files, model_dir))
-                if index in _v1_cases(request.session.items)
-            ],
-        },
+        "compare": lambda: _compare_spec(root / "compare", geo3k_files, model_dir, request.session.items),
         "payloads": lambda: _payloads_spec(root / "payloads", geo3k_files, model_dir),
         "lifetime": lambda: _lifetime_spec(root / "lifetime", model_dir),
         "bound": lambda: _bound_spec(root / "bound", model_dir),
     }
-    # only the checks of the tests selected (the CI matrix runs the comparison alone)
+    # only the checks of the tests selected (the CI matrix runs the comparisons alone)
     wanted = {check for item in request.session.items if (check := _verl09_check(item))}
     specs = {check: spec() for check, spec in specs.items() if check in wanted}
     result = run_verl(
@@ -518,9 +522,9 @@ def test_handed_off_media_give_verls_v1_agent_loop_inputs(verl09_checks, case):
     and registers the batches; stock (``RLHFDataset``) and hand-off (``IngestAgentLoopWorkerTQ``) put the same
     prompt ids, responses, masks, position ids and ``multi_modal_inputs``, sample by sample, and the server gets the
     same prompt ids, images and video frames; no hand-off sample makes its prompt's media again."""
-    specs = verl09_checks["specs"]["compare_v1"]["cases"]
+    specs = verl09_checks["specs"]["compare"]["cases"]
     position = [spec["index"] for spec in specs].index(case)
-    spec, result = specs[position], verl09_checks["results"]["compare_v1"]["cases"][position]
+    spec, result = specs[position], verl09_checks["results"]["compare"]["cases"][position]["v1"]
     family, media, n, prompts, agent = spec["case"]
     stock, handoff = result["stock"], result["handoff"]
     assert len(stock["samples"]) == len(handoff["samples"]) == spec["batches"]

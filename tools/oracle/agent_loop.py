@@ -180,26 +180,35 @@ def _shutdown_ray() -> None:
 
 def compare_cases(spec: dict) -> dict:
     """``compare_on_loader_rows`` for each of ``spec["cases"]`` (files, model, data and the rest of a spec), in one
-    process and one Ray session."""
+    process and one Ray session; with a TransferQueue beside it where a case asks for verl 0.9's v1 worker too."""
     import ray
 
     # the hand-off worker's actor imports this module: the repository root on its path, as on this process's
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    results = [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]
-    _shutdown_ray()
-    return {"cases": results}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    v1 = any(case.get("v1") for case in spec["cases"])
+    if v1:
+        from tools.oracle.agent_loop_tq import start_transfer_queue  # verl 0.9's v1 worker: TransferQueue
+
+        start_transfer_queue()
+    try:
+        return {"cases": [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]}
+    finally:
+        if v1:
+            import transfer_queue
+
+            transfer_queue.close()
+        _shutdown_ray()
 
 
 def compare_on_loader_rows(spec: dict) -> dict:
-    """Both sides on the first ``spec["batches"]`` batches of the files' rows (Ray started)."""
-    import ray
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
+    """Both sides on the first ``spec["batches"]`` batches of the files' rows (Ray started): through the legacy
+    worker unless ``spec["legacy"]`` is false, and under ``"v1"`` through verl 0.9's v1 worker where ``spec["v1"]``
+    (the same batches: each side's loader reads once)."""
     from ingest.verl import VerlDataLoader
 
-    model, n, size, agent = spec["model"], spec["n"], spec["batch_size"], spec.get("agent")
+    model, size, agent = spec["model"], spec["batch_size"], spec.get("agent")
     data = {"shuffle": False, **spec["data"]}  # row_format among them
     tool_config = None
     if agent == "tool_agent":
@@ -212,11 +221,29 @@ def compare_on_loader_rows(spec: dict) -> dict:
         loader = VerlDataLoader(spec["files"], model, config, size, model, drop_last=False)
         return loader, [batch for _, batch in zip(range(spec["batches"]), loader, strict=False)]
 
+    batches = {"stock": first_batches(data)[1]}
+    loader, batches["handoff"] = first_batches({**data, "media_handoff": True})
+    result = _compare_legacy(spec, batches, tool_config) if spec.get("legacy", True) else {}
+    if spec.get("v1"):
+        from tools.oracle.agent_loop_tq import compare_v1
+
+        result["v1"] = compare_v1(spec, batches, tool_config)
+    del loader  # its store goes; the next case makes its own
+    return result
+
+
+def _compare_legacy(spec: dict, batches: dict[str, list[dict]], tool_config: str | None) -> dict:
+    """verl's ``AgentLoopWorker`` on the stock ``batches`` (in this process) and ``IngestAgentLoopWorker`` on the
+    handed-off ones (an actor of its own)."""
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    model, n, agent = spec["model"], spec["n"], spec.get("agent")
     stock_server = FixedTokenServer()
     stock_config = trainer_config(model, n, spec["prompt_length"], False, tool_config)
     stock = new_worker(AgentLoopWorker, stock_config, stock_server)
     expected, stock_cpu = [], 0.0
-    for batch in first_batches(data)[1]:
+    for batch in batches["stock"]:
         started = time.process_time()
         expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n, agent)))))
         stock_cpu += time.process_time() - started
@@ -224,14 +251,11 @@ def compare_on_loader_rows(spec: dict) -> dict:
     config = trainer_config(model, n, spec["prompt_length"], True, tool_config)
     worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(config, FixedTokenServer())
     handed, requests, counts = [], [], []
-    loader, batches = first_batches({**data, "media_handoff": True})
-    for batch in batches:
+    for batch in batches["handoff"]:
         out, seen, count = ray.get(worker.run.remote(repeated(batch, n, agent)))
         handed.append(out)
         counts.append(count)
     requests = seen  # the worker's server keeps every request of the run
-    raw_prompt = batch["raw_prompt"]
-    del loader  # its store goes; the next case makes its own
     ray.kill(worker)
     return {
         "expected": expected,
@@ -240,7 +264,7 @@ def compare_on_loader_rows(spec: dict) -> dict:
         "handoff_requests": requests,
         "handoff_counts": counts[-1],
         "stock_cpu_s": stock_cpu,
-        "last_raw_prompt": list(raw_prompt),
+        "last_raw_prompt": list(batch["raw_prompt"]),
     }
 
 
@@ -643,14 +667,7 @@ def several(spec: dict) -> dict:
     return results
 
 
-def _compare_v1(spec: dict) -> dict:
-    from tools.oracle.agent_loop_tq import compare_v1_cases  # verl 0.9's v1 worker: TransferQueue
-
-    return compare_v1_cases(spec)
-
-
 CHECKS["compare"] = compare_cases
-CHECKS["compare_v1"] = _compare_v1
 CHECKS["several"] = several
 
 

@@ -1,25 +1,25 @@
 """verl 0.9's v1 agent loop (``AgentLoopWorkerTQ``: one prompt's ``rollout.n`` sessions in one worker, outputs put
 into TransferQueue) on CPU, stock and on handed-off media, inside the verl 0.9.1 oracle (``agent_loop`` mode, check
-``compare_v1``), with a real TransferQueue on a local Ray cluster.
+``compare``, cases with ``v1``), with a real TransferQueue on a local Ray cluster.
 
-Both sides take the same prompts from this pipeline's ``VerlDataLoader`` (as ``agent_loop.py``'s legacy comparison
-does), through verl's own v1 trainer code: ``PPOTrainer._next_train_batch`` (the fetch, the uids, the TensorDict)
-and ``_submit_batch_to_rollout`` (the prompts registered in TransferQueue, then the manager's ``generate_sequences``,
-here one worker's). The stock side runs verl's ``AgentLoopWorkerTQ`` with ``RLHFDataset``; the hand-off side
-``IngestAgentLoopWorkerTQ`` with ``IngestDataset`` and ``media_handoff``. Once TransferQueue marks every prompt
-finished, each sample's fields are read back from it; with what the stand-in server received (prompt ids, images,
-videos) and the hand-off worker's count of qwen-vl-utils and processor calls, they are pickled.
+Both sides take the batches ``agent_loop.py``'s legacy comparison takes from this pipeline's ``VerlDataLoader`` (each
+side's loader reads once for both), through verl's own v1 trainer code: ``PPOTrainer._next_train_batch`` (the fetch,
+the uids, the TensorDict) and ``_submit_batch_to_rollout`` (the prompts registered in TransferQueue, then the
+manager's ``generate_sequences``, here one worker's). The stock side runs verl's ``AgentLoopWorkerTQ`` with
+``RLHFDataset``; the hand-off side ``IngestAgentLoopWorkerTQ`` with ``IngestDataset`` and ``media_handoff``. Once
+TransferQueue marks every prompt finished, each sample's fields are read back from it; with what the stand-in server
+received (prompt ids, images, videos) and the hand-off worker's count of qwen-vl-utils and processor calls, they are
+pickled.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 
-from tools.oracle.agent_loop import TOOL_CONFIG, CallCounter, FixedTokenServer, _shutdown_ray, trainer_config
+from tools.oracle.agent_loop import CallCounter, FixedTokenServer, trainer_config
 
 # what a sample's worker puts into TransferQueue and the trainer trains on; the rest are the prompt's own fields
 # (raw_prompt holds media URIs on the hand-off side) and the worker's bookkeeping
@@ -85,8 +85,8 @@ class _TrainerStandIn:
 
 
 class AgentNamedBatches:
-    """Stands where the dataloader is: ``loader``'s batches, each row's ``agent_name`` ``agent`` where given (as a
-    dataset's column sets it)."""
+    """Stands where the dataloader is: ``loader``'s batches (a list of them here), each row's ``agent_name`` ``agent``
+    where given (as a dataset's column sets it)."""
 
     def __init__(self, loader, agent: str | None):
         self.loader, self.agent = loader, agent
@@ -146,28 +146,29 @@ def _samples(uids: list[str], n: int) -> list[dict]:
     return samples
 
 
-def compare_v1(spec: dict) -> dict:
-    """Both sides on the first ``spec["batches"]`` batches of the files' rows (Ray and TransferQueue started)."""
+def start_transfer_queue() -> None:
+    """TransferQueue on the running Ray session, with one storage unit: its controller and storage units take a CPU
+    each, and the 4-CPU session the comparison's pipelines see keeps two for their actors."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+
+
+def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | None) -> dict:
+    """Both sides on ``batches`` (by side: the loader's first batches, stock and with ``media_handoff``), fetched and
+    submitted by verl's own v1 trainer code (Ray and TransferQueue started)."""
     import ray
     import transfer_queue as tq
 
-    from ingest.verl import VerlDataLoader
-
     model, n, size, agent = spec["model"], spec["n"], spec["batch_size"], spec.get("agent")
-    data = {"shuffle": False, **spec["data"]}  # row_format among them
-    tool_config = None
-    if agent == "tool_agent":
-        tool_config = os.path.join(os.path.dirname(model), "tool_config.yaml")
-        with open(tool_config, "w") as f:
-            f.write(TOOL_CONFIG)
     result = {}
     for side, handoff in (("stock", False), ("handoff", True)):
         config = trainer_config(model, n, spec["prompt_length"], handoff, tool_config)
         worker = ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(config, FixedTokenServer())
-        loader = VerlDataLoader(spec["files"], model, {**data, "media_handoff": handoff}, size, model, drop_last=False)
-        trainer = _TrainerStandIn.with_verls_methods()(loader, size, worker, agent)
+        trainer = _TrainerStandIn.with_verls_methods()(batches[side], size, worker, agent)
         samples, raw_prompt = [], None
-        for step in range(1, spec["batches"] + 1):
+        for step in range(1, len(batches[side]) + 1):
             trainer.global_steps = step
             batch = trainer._next_train_batch()  # verl's own: fetch, uids, TensorDict
             uids = list(batch["uid"])
@@ -178,23 +179,4 @@ def compare_v1(spec: dict) -> dict:
         result[side] = {"samples": samples, "last_raw_prompt": raw_prompt, **ray.get(worker.stats.remote())}
         tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
         ray.kill(worker)
-        del trainer, loader  # the hand-off loader's store goes with it
     return result
-
-
-def compare_v1_cases(spec: dict) -> dict:
-    """``compare_v1`` for each of ``spec["cases"]``, in one process, one Ray session and one TransferQueue."""
-    import ray
-    import transfer_queue as tq
-
-    # the workers' actors import this module: the repository root on their path, as on this process's
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    # TransferQueue's controller and storage units take a CPU each; the pipeline's actors need theirs beside them
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    tq.init()
-    try:
-        return {"cases": [compare_v1({**spec, **case}) for case in spec["cases"]]}
-    finally:
-        tq.close()
-        _shutdown_ray()
