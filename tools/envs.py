@@ -45,11 +45,12 @@ FREE_GB_NEEDED = 11
 # the trainer code with VerlDataLoader, and verl's launcher through python -m ingest.verl.main_ppo
 COMMON = ["tests/test_parity_tools.py", "tests/test_verl_trainer.py", "tests/test_verl_launcher.py"]
 HANDOFF = "tests/test_rollout_media.py::test_handed_off_media_give_verls_agent_loop_inputs"
+V1_HANDOFF = "tests/test_rollout_media.py::test_handed_off_media_give_verls_v1_agent_loop_inputs"  # 0.9's default
 TESTS = {
     "verl-0.5": ["tests/test_parity_text.py", "tests/test_parity_multimodal.py", "tests/test_parity_video.py"],
     "verl-0.6": ["tests/test_parity_verl06.py"],
     "verl-0.7": ["tests/test_parity_verl07.py", HANDOFF],
-    "verl-0.9": ["tests/test_parity_verl09.py", HANDOFF],
+    "verl-0.9": ["tests/test_parity_verl09.py", HANDOFF, V1_HANDOFF],
 }
 # the tier's pytest selection: "full" runs the modules whole, "ci" the tests marked `matrix` in them
 TIERS = {"full": [], "ci": ["-m", "matrix"]}
