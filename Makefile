@@ -62,7 +62,8 @@ RECORD = [ -z "$$CI_PHASES_FILE" ] || printf '%-34s %6d s\n' $(1) $$(( $$(date +
 SIDE_TESTS := tests/test_node_loss.py tests/test_cluster.py tests/test_layout.py tests/test_object_store_pressure.py \
 	tests/test_verl_launcher.py tests/test_verl_trainer.py tests/test_rollout_media.py tests/test_cli.py
 # The fast tier's side lane also takes resume and the S3 faults: in test-all the slow cases above fill the side lane
-# (the verl 0.9.1 agent-loop checks the largest), and these two even the lanes out from the main one (docs/benchmarks.md).
+# (the verl 0.9.1 agent-loop checks the largest), and these two even the lanes out from the main one
+# (docs/benchmarks.md).
 FAST_SIDE_TESTS := $(SIDE_TESTS) tests/test_resume.py tests/test_faults_s3.py
 # $(call LANES,TIER,ARGS,SIDE): the tier's two pytests (pytest ARGS: the tier's selection; SIDE: the side lane's
 # modules), failing if either fails
