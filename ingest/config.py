@@ -227,6 +227,10 @@ class DataConfig:
     # prompts whose media the pipeline may make ahead of what the loader has taken (media_handoff): the rows carry only
     # URIs, so Ray Data's backpressure, which counts block bytes, would not hold the media back. None: one batch
     media_handoff_ahead: int | None = None
+    # rows whose media stay held once handed out (media_handoff), at the least: a batch's are released once two later
+    # batches and this many later rows were handed out. None: two batches. verl's v1 trainers that fetch one prompt at
+    # a time and submit a step's prompts at once need more than two such batches (ingest.verl.trainer sets it there)
+    media_handoff_held: int | None = None
     # Arrow's default memory pool in the pipeline's actors: "system" (glibc malloc), "mimalloc", "jemalloc" or
     # "default" (Arrow's choice, mimalloc on Linux wheels); system costs less CPU for read + tokenize + decode
     # on a 2-core VM, where mimalloc's fresh huge pages cost more than it saves (docs/design.md)
@@ -283,6 +287,8 @@ class DataConfig:
             )
         if self.media_handoff_ahead is not None and self.media_handoff_ahead < 1:
             raise ValueError(f"media_handoff_ahead must be >= 1 prompt, got {self.media_handoff_ahead}")
+        if self.media_handoff_held is not None and self.media_handoff_held < 0:
+            raise ValueError(f"media_handoff_held must be >= 0 prompts, got {self.media_handoff_held}")
         if self.media_handoff and not self.raw_prompt_rows:
             raise ValueError(
                 f"data.media_handoff: the rollout's media are handed off to verl 0.7 and 0.9's agent loop "

@@ -155,7 +155,8 @@ class ResumableBatches:
 
         ensure_ray()
         if self._held_media is None:
-            self._held_media = HeldMedia(self.config.media_handoff_ahead or self.batch_size)
+            config = self.config
+            self._held_media = HeldMedia(config.media_handoff_ahead or self.batch_size, config.media_handoff_held or 0)
         return self._held_media.begin(plan.context().files, units)
 
     def _held_media_blocks(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:

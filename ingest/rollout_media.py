@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import pickle
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -300,6 +301,9 @@ class PromptMediaMaker:
         return prompt_ids
 
 
+# released keys whose file and row a store keeps, for a late fetch's error (a few MB at most)
+RELEASED_KEPT = 65_536
+
 # payloads per object the store puts: each ray.put costs ~1 ms however small, and a rollout worker fetching a prompt's
 # payload gets its object's others with it (a worker's samples are a run of the batch's prompts)
 PAYLOADS_PER_OBJECT = 8
@@ -341,6 +345,8 @@ class MediaStore:
         self._making = asyncio.Lock()  # one unit at a time: the stages reuse their buffers
         self._units_made = 0
         self._stopped = False  # the loader stopped reading: nothing waits for room any more
+        # released key -> (file index, row), the latest RELEASED_KEPT: a late fetch's error names its row
+        self._released: OrderedDict[str, tuple[int, int]] = OrderedDict()
 
     def _may_adopt(self, prompts: int, unit: int) -> bool:
         return (
@@ -442,9 +448,18 @@ class MediaStore:
 
     async def release(self, keys: list[str]) -> None:
         for key in keys:
-            self._entries.pop(key, None)
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._released[key] = entry[2:]
+        while len(self._released) > RELEASED_KEPT:
+            self._released.popitem(last=False)
         self._ahead.difference_update(keys)
         await self._notify()
+
+    async def released_rows(self, keys: list[str]) -> list[tuple[str, int] | None]:
+        """``(file, row)`` of each key released here (of the latest ``RELEASED_KEPT``), None for any other."""
+        found = [self._released.get(key) for key in keys]
+        return [None if f is None else (self._files[f[0]], f[1]) for f in found]
 
     async def stats(self) -> dict[str, int]:
         """Prompts held now and made ahead of the loader now, the peaks of both, and the read units made here."""
@@ -470,16 +485,19 @@ LOADER_WAIT_S = 0.2
 
 class HeldMedia:
     """A loader's media stores and the media keys of the batches it handed out, each batch's released once
-    ``HELD_BATCHES`` later ones were handed out. Each read (an epoch, a resumed epoch) gets a ``MediaStore`` of its
-    own, started on this node and gone with this object's process; a read's store goes once the batches it holds
-    are released and a later read has begun. The stores, so the object store, hold the rollout's media of those
-    batches, the rows the loader has taken but not yet handed out, and at most ``ahead`` prompts more."""
+    ``HELD_BATCHES`` later ones and ``held`` later rows were handed out. Each read (an epoch, a resumed epoch) gets a
+    ``MediaStore`` of its own, started on this node and gone with this object's process; a read's store goes once the
+    batches it holds are released and a later read has begun. The stores, so the object store, hold the rollout's
+    media of those batches, the rows the loader has taken but not yet handed out, and at most ``ahead`` prompts
+    more."""
 
-    def __init__(self, ahead: int):
+    def __init__(self, ahead: int, held: int = 0):
         self.ahead = ahead
+        self.held = held
         self.name: str | None = None  # the current read's store
         self.store = None
-        self._batches: list[tuple[Any, list[str]]] = []  # (store, keys) per batch handed out, oldest first
+        self._batches: list[tuple[Any, list[str], int]] = []  # (store, keys, rows) per batch handed out, oldest first
+        self._held_rows = 0  # the rows of _batches
         self._taken: dict[str, None] = {}  # keys the loader took, not yet handed out, in order
         self._calls: list = []  # replies of the stores' calls not yet known done (an async actor's run in any order)
 
@@ -538,10 +556,13 @@ class HeldMedia:
         self._blocks_taken += 1
         self._call(self.store.delivered, keys)
 
-    def handed_out(self, keys: Iterable[str]) -> None:
-        """A batch with these prompts' rows is handed out: hold its media, release those of the batch
-        ``HELD_BATCHES`` before it, and those of rows taken before its last one that no batch will hand out (rows
-        a resumed read drops: their batch was handed out before the state was saved)."""
+    def handed_out(self, keys: Iterable[str | None]) -> None:
+        """A batch with these rows' media keys (None: a text row) is handed out: hold its media, release those of
+        the oldest batches while ``HELD_BATCHES`` later batches and ``held`` later rows stay held, and those of rows
+        taken before its last one that no batch will hand out (rows a resumed read drops: their batch was handed out
+        before the state was saved)."""
+        keys = list(keys)
+        rows = len(keys)
         keys = [key for key in keys if key is not None]
         batch = set(keys)
         skipped = []
@@ -554,9 +575,11 @@ class HeldMedia:
                 skipped.append(key)
         if skipped:
             self._call(self.store.release, skipped)
-        self._batches.append((self.store, keys))
-        while len(self._batches) > HELD_BATCHES:
-            store, released = self._batches.pop(0)
+        self._batches.append((self.store, keys, rows))
+        self._held_rows += rows
+        while len(self._batches) > HELD_BATCHES and self._held_rows - self._batches[0][2] >= self.held:
+            store, released, oldest_rows = self._batches.pop(0)
+            self._held_rows -= oldest_rows
             if released:
                 self._call(store.release, released)
             self._drop_unheld(store)
@@ -570,7 +593,7 @@ class HeldMedia:
 
     def _drop_unheld(self, store) -> None:
         """Ends ``store`` once it is not the current read's and holds no handed-out batch."""
-        if store is None or store is self.store or any(held is store for held, _ in self._batches):
+        if store is None or store is self.store or any(held is store for held, _, _ in self._batches):
             return
         import ray
 

@@ -162,8 +162,28 @@ def test_a_batch_holds_its_media_until_two_later_batches_are_handed_out(ray_sess
     assert fetch_payload(held.name, batches[-1]) == {"key": batches[-1]}
     (_, _, file, row) = held.lookup(batches[-1])
     assert (file, row) == ("f.parquet", 10 * (HELD_BATCHES + 1))
-    with pytest.raises(LookupError, match="no such prompt media"):
+    with pytest.raises(
+        LookupError, match=r"no such prompt media in the store \(released after its step; f\.parquet: row 0\)"
+    ):
         fetch_payload(held.name, batches[0])
+    with pytest.raises(LookupError, match=r"no such prompt media in the store \(from another run\)"):
+        fetch_payload(held.name, "never-made")
+
+
+def test_single_prompt_batches_hold_their_media_for_the_held_rows(ray_session):
+    """verl's v1 trainers fetch one prompt per batch, then submit a step's prompts at once: with ``held`` rows, a
+    batch's media stay until that many later rows were handed out, not only two batches."""
+    import ray
+
+    held = HeldMedia(ahead=100, held=3)
+    held.begin(["f.parquet"])
+    keys = [f"s{step}" for step in range(6)]
+    for step, key in enumerate(keys):
+        ray.get(_adopt(held.store, [key], step))
+        held.delivered([key])
+        held.handed_out([key])
+        assert held.stats()["held"] == min(step + 1, 3)
+    assert [held.lookup(key) is not None for key in keys] == [False, False, False, True, True, True]
 
 
 def _handed_off_epoch(loader) -> tuple[list[str], list]:
@@ -391,12 +411,14 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
 
 LEGACY_COMPARISON = "test_handed_off_media_give_verls_agent_loop_inputs"
 V1_COMPARISON = "test_handed_off_media_give_verls_v1_agent_loop_inputs"
+V1_STEPS = "test_verls_v1_async_steps_on_handed_off_media_a_released_payload_and_a_resume"
 
 
 def _verl09_check(item: pytest.Item) -> str | None:
     """The check of the verl 0.9.1 oracle's agent-loop run that test ``item`` reads, if any."""
     checks = {
         V1_COMPARISON: "compare",  # on the legacy comparison's batches
+        V1_STEPS: "compare",  # in its Ray session and TransferQueue
         "test_the_kernels_make_verls_payloads": "payloads",
         "test_handed_off_media_live_for_their_steps_and_are_made_again_on_resume": "lifetime",
         "test_the_store_stays_within_the_window_over_a_long_run_with_stalls": "bound",
@@ -414,13 +436,44 @@ def _compare_spec(root, geo3k_files: list, model_dir: str, items: list[pytest.It
     legacy = any(name == LEGACY_COMPARISON for name, _ in names)
     v1 = {item.callspec.params["case"] for name, item in names if name == V1_COMPARISON}
     cases = _handoff_cases("verl-0.9", root, geo3k_files, model_dir)
-    return {
+    spec = {
         "check": "compare",
         "cases": [
             {**case, "index": index, "legacy": legacy, "v1": index in v1}
             for index, case in enumerate(cases)
             if legacy or index in v1
         ],
+    }
+    if any(name == V1_STEPS for name, _ in names):
+        spec["v1_steps"] = _v1_steps_spec(root / "v1-steps", geo3k_files, cases[0]["model"])
+    return spec
+
+
+def _v1_steps_spec(root, geo3k_files: list, model: str) -> dict:
+    """``agent_loop_tq.v1_steps``: Qwen2-VL image prompts, steps of 4, ``rollout.n`` 2, through verl's v1 trainer."""
+    from ingest.verl.dataset import CUSTOM_CLS
+
+    files = [str(f) for f in geo3k_files]
+    data = {
+        "train_files": files,
+        "val_files": files,
+        "train_batch_size": 4,
+        "val_batch_size": None,
+        "max_prompt_length": 8192,
+        "shuffle": False,
+        "dataloader_num_workers": 0,
+        "validation_shuffle": False,
+        "cache_dir": str(root / "cache"),
+        "row_format": "verl-0.9",
+        "custom_cls": dict(CUSTOM_CLS),
+        "sampler": None,
+    }
+    return {
+        "model": model,
+        "n": 2,
+        "prompt_length": 8192,
+        "checkpoint_dir": str(root / "checkpoints"),
+        "trainer_data": data,
     }
 
 
@@ -553,6 +606,34 @@ def test_handed_off_media_give_verls_v1_agent_loop_inputs(verl09_checks, case):
         if item["type"] in ("image", "video")
     ]
     assert items and all(parse_media_uri(item[item["type"]]) for item in items)
+
+
+@slow
+def test_verls_v1_async_steps_on_handed_off_media_a_released_payload_and_a_resume(verl09_checks):
+    """verl 0.9's v1 async trainer fetches one prompt at a time and submits a step's prompts at once, with steps in
+    flight together: the handed-off media stay held for them (not for two single-prompt batches), and each sample
+    equals the stock one. A payload released while TransferQueue holds its prompt fails that prompt alone: verl tags
+    it ``failure`` and logs our error naming its file and row, and the step's other prompts finish. A loader resumed
+    from ``data.pt`` (verl's own lines) hands off the next step's media anew: its samples equal the stock step's."""
+    spec = verl09_checks["specs"]["compare"]["v1_steps"]
+    result = verl09_checks["results"]["compare"]["v1_steps"]
+    stock, handoff = result["stock"], result["handoff"]
+    n, size = spec["n"], spec["trainer_data"]["train_batch_size"]
+    assert handoff["held_rows"] == size * 3  # two steps and verl's one warm-up step
+    for statuses in stock["statuses"] + handoff["statuses"]:
+        assert set(statuses.values()) == {"finished"}, statuses
+    assert len(stock["samples"]) == len(handoff["samples"]) == 3  # the third: the resumed loader's
+    for step, (theirs, ours) in enumerate(zip(stock["samples"], handoff["samples"], strict=True)):
+        assert len(theirs) == len(ours) == size * n
+        for k, (mine, expected) in enumerate(zip(ours, theirs, strict=True)):
+            assert "pixel_values" in expected["multi_modal_inputs"]
+            _same_sample(mine, expected, ("v1 steps", step, k))
+    assert handoff["counts"]["process_vision_info"] == 0 and handoff["counts"]["processor"] == 0
+    fault = handoff["fault"]
+    others = [status for uid, status in fault["statuses"].items() if uid != fault["uid"]]
+    assert fault["statuses"][fault["uid"]] == "failure" and others == ["finished"] * (size - 1)
+    reason = f"released after its step; {fault['file']}: row {fault['row']}"
+    assert any(reason in message for message in handoff["errors"]), handoff["errors"]
 
 
 def test_main_ppo_sets_the_handoff_manager_of_the_chosen_trainer(monkeypatch):

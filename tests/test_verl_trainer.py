@@ -117,7 +117,7 @@ def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp
             "trainer": {
                 "total_epochs": EPOCHS,
                 "total_training_steps": None,
-                "v1": {"trainer_mode": mode, "sampler": {}},
+                "v1": {"trainer_mode": mode, "sampler": {}, mode: {"num_warmup_batches": 1.5}},
             },
             "algorithm": {"filter_groups": None},
             "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}},
@@ -132,6 +132,8 @@ def test_adapter_in_verl_09_v1_trainer(ray_session, trainer_data, model_dir, tmp
     assert result["agent_loop"] == {"dataset_class": "IngestDataset", "images": 2, "equal": True, "videos": None}
     gen_batch = BATCH if mode == "sync" else 1
     assert result["gen_batch_size"] == (None if mode == "sync" else 1)
+    # single-prompt fetches: handed-off media stay held for two steps and the warm-up's (not for two prompts)
+    assert result["media_handoff_held"] == (None if mode == "sync" else BATCH * (2 + 2))
     steps_per_epoch = rows // BATCH
     assert result["len_train_dataset"] == rows and result["len_train"] == rows // gen_batch
     assert result["steps_per_epoch"] == steps_per_epoch

@@ -147,10 +147,17 @@ class IngestDataset(_VerlDataset):
             return await super().process_multi_modal_info(messages, image_patch_size=image_patch_size, config=config)
         return sample_media(payload)
 
-    def loader(self, batch_size: int | None, *, drop_last: bool, shuffle: bool | None = None) -> VerlDataLoader:
+    def loader(
+        self, batch_size: int | None, *, drop_last: bool, shuffle: bool | None = None, media_held: int | None = None
+    ) -> VerlDataLoader:
         """The ``VerlDataLoader`` over these files and settings (``batch_size`` None: every row in one batch, as
-        verl's val loader); ``shuffle`` overrides ``data.shuffle`` (verl's ``validation_shuffle``)."""
-        config = self.config if shuffle is None else {**self.config, "shuffle": shuffle}
+        verl's val loader); ``shuffle`` overrides ``data.shuffle`` (verl's ``validation_shuffle``); ``media_held``
+        is ``media_handoff_held`` where the settings leave it unset."""
+        config = dict(self.config)
+        if shuffle is not None:
+            config["shuffle"] = shuffle
+        if media_held is not None and config.get("media_handoff_held") is None:
+            config["media_handoff_held"] = media_held
         return VerlDataLoader(
             self.files,
             self.model_path,

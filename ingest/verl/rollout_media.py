@@ -92,9 +92,11 @@ def fetch_payloads(store: str, keys: list[str]) -> list[dict]:
             ) from exc
         for key, entry in zip(missing, found, strict=True):
             if entry is None:
+                (row,) = ray.get(actor.released_rows.remote([key]))
+                where = "from another run" if row is None else f"released after its step; {row[0]}: row {row[1]}"
                 raise LookupError(
-                    f"{URI_PREFIX}{store}/{key}: no such prompt media in the store (released after its step, or "
-                    "from another run): rows with media URIs are valid only while the loader that made them holds them"
+                    f"{URI_PREFIX}{store}/{key}: no such prompt media in the store ({where}): rows with media URIs "
+                    "are valid only while the loader that made them holds them"
                 )
         refs = list(dict.fromkeys(entry[0][0] for entry in found))  # a store object holds several prompts' payloads
         try:

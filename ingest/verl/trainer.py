@@ -9,14 +9,16 @@ actor and critic optimizer configs) are verl's code, not a copy; then the loader
 - verl 0.9's v1 trainers (``PPOTrainer`` subclasses: ``sync``, ``colocate_async``, ``separate_async``): their
   ``_init_dataloader`` builds the datasets itself, through ``data.custom_cls``, which is pointed at
   ``IngestDataset`` for that call; verl may set ``gen_batch_size`` to 1 there (async modes fetch single prompts),
-  and the train loader takes the batch size verl settled on.
+  and the train loader takes the batch size verl settled on, holding handed-off media for the steps in flight.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+from ingest.rollout_media import HELD_BATCHES
 from ingest.verl.dataset import CUSTOM_CLS, IngestDataset, data_mapping, select_ingest_dataset
 from ingest.verl.loader import VerlDataLoader
 
@@ -39,14 +41,20 @@ def _stand_in(dataset: Any, files: Any, tokenizer: Any, processor: Any, data: An
     return IngestDataset(files, tokenizer, processor, data, max_samples=data.get(f"{split}_max_samples", -1))
 
 
-def _loaders(train: IngestDataset, val: IngestDataset, data: Any) -> tuple[VerlDataLoader, VerlDataLoader]:
+def _loaders(
+    train: IngestDataset, val: IngestDataset, data: Any, warmup_batches: float = 0
+) -> tuple[VerlDataLoader, VerlDataLoader]:
     """verl's train loader (``gen_batch_size or train_batch_size``, last short batch dropped) and val loader
-    (``val_batch_size``, None: every row in one batch; order ``validation_shuffle``)."""
+    (``val_batch_size``, None: every row in one batch; order ``validation_shuffle``). Where the train loader's
+    batches are smaller than a step (verl's v1 trainers fetch single prompts, then submit a step's at once, and the
+    async modes ``warmup_batches`` steps' more first), its handed-off media stay held for the steps in flight."""
     config = data_mapping(data)
-    batch = config.get("gen_batch_size") or config["train_batch_size"]
+    step = config["train_batch_size"]
+    batch = config.get("gen_batch_size") or step
+    held = step * (HELD_BATCHES + math.ceil(warmup_batches)) if batch < step else None
     val_shuffle = bool(config.get("validation_shuffle", True))
     return (
-        train.loader(batch, drop_last=True),
+        train.loader(batch, drop_last=True, media_held=held),
         val.loader(config.get("val_batch_size"), drop_last=False, shuffle=val_shuffle),
     )
 
@@ -97,7 +105,8 @@ def _v1_trainer(trainer_cls: type) -> type:
             select_ingest_dataset(self.config)
             data = self.config.data
             super()._init_dataloader()  # verl's own: IngestDataset stand-ins, its samplers, its step arithmetic
-            self.train_dataloader, self.val_dataloader = _loaders(self.train_dataset, self.val_dataset, data)
+            warmup = self.config.trainer.v1.get(self.trainer_mode, {}).get("num_warmup_batches", 0) or 0
+            self.train_dataloader, self.val_dataloader = _loaders(self.train_dataset, self.val_dataset, data, warmup)
             self.train_dataloader_it = None
             _report(self)
 

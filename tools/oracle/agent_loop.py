@@ -180,20 +180,26 @@ def _shutdown_ray() -> None:
 
 def compare_cases(spec: dict) -> dict:
     """``compare_on_loader_rows`` for each of ``spec["cases"]`` (files, model, data and the rest of a spec), in one
-    process and one Ray session; with a TransferQueue beside it where a case asks for verl 0.9's v1 worker too."""
+    process and one Ray session; with a TransferQueue beside it where a case asks for verl 0.9's v1 worker too, or
+    ``spec["v1_steps"]`` for ``agent_loop_tq.v1_steps``."""
     import ray
 
     # the hand-off worker's actor imports this module: the repository root on its path, as on this process's
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    v1 = any(case.get("v1") for case in spec["cases"])
+    v1 = any(case.get("v1") for case in spec["cases"]) or "v1_steps" in spec
     if v1:
         from tools.oracle.agent_loop_tq import start_transfer_queue  # verl 0.9's v1 worker: TransferQueue
 
         start_transfer_queue()
     try:
-        return {"cases": [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]}
+        result = {"cases": [compare_on_loader_rows({**spec, **case}) for case in spec["cases"]]}
+        if "v1_steps" in spec:  # verl 0.9's v1 async trainer's steps, a fault and a resume
+            from tools.oracle.agent_loop_tq import v1_steps
+
+            result["v1_steps"] = v1_steps(spec["v1_steps"])
+        return result
     finally:
         if v1:
             import transfer_queue

@@ -14,6 +14,8 @@ pickled.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Any
 
@@ -42,6 +44,8 @@ def _worker_class(handoff: bool) -> type:
         def __init__(self, config, server: FixedTokenServer):
             super().__init__(config, server)
             self.counter = CallCounter(self.processor) if handoff else None
+            self.errors = _ErrorRecords()  # what verl's v1 worker logs of a failed prompt
+            logging.getLogger(AgentLoopWorkerTQ.__module__).addHandler(self.errors)
 
         def stats(self) -> dict:
             from ingest.verl import rollout_media
@@ -50,10 +54,23 @@ def _worker_class(handoff: bool) -> type:
             counts = {} if self.counter is None else dict(self.counter.counts)
             return {
                 "requests": self.llm_client.requests,
+                "errors": list(self.errors.messages),
                 "counts": {**counts, "made_by": {m: made_by.count(m) for m in ("kernels", "verl")}},
             }
 
     return RecordingWorker
+
+
+class _ErrorRecords(logging.Handler):
+    """The error records of a logger, formatted with their exceptions."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(self.format(record))
 
 
 class _TrainerStandIn:
@@ -179,4 +196,135 @@ def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | No
         result[side] = {"samples": samples, "last_raw_prompt": raw_prompt, **ray.get(worker.stats.remote())}
         tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
         ray.kill(worker)
+    return result
+
+
+class _ManagerStandIn:
+    """Stands where ``AgentLoopManagerTQ`` is: one worker's ``generate_sequences``."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def generate_sequences(self, batch) -> None:
+        import ray
+
+        ray.get(self.worker.generate_sequences.remote(batch))  # the worker's sessions run on in the background
+
+
+def _settled(uids: list[str], timeout: float = 600) -> dict[str, str]:
+    """Each prompt's terminal TransferQueue status (``finished`` or ``failure``), once every one has one."""
+    import transfer_queue as tq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        tags = tq.kv_list(PARTITION).get(PARTITION, {})
+        status = {uid: (tags.get(uid) or {}).get("status") for uid in uids}
+        if all(s in ("finished", "failure") for s in status.values()):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"agent loops not settled: {status}")
+        time.sleep(0.2)
+
+
+def v1_steps(spec: dict) -> dict:
+    """verl 0.9's v1 async trainer (``colocate_async``) on handed-off media, through its own code: its
+    ``_init_dataloader`` (``gen_batch_size`` 1: ``ingest_trainer``'s loaders fetch single prompts), and each step its
+    ``_next_train_batch`` (a step's prompts fetched one by one) and ``_submit_batch_to_rollout`` (the prompts and
+    their fields put into TransferQueue, then the worker's ``generate_sequences``).
+
+    Stock: three steps in flight at once. Hand-off: two steps in flight at once, ``data.pt`` saved by verl's own
+    lines; then a third step's prompts fetched, one prompt's payload released from its store while TransferQueue
+    holds the prompt, and that step submitted; then a loader resumed from ``data.pt`` by verl's own lines runs the
+    third step again. Each sample's fields are read back from TransferQueue (Ray and TransferQueue started)."""
+    import sys
+
+    import ray
+    import torch
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls, trainer_base
+
+    from ingest.rollout_media import prompt_media_key
+    from ingest.verl import ingest_trainer
+    from tools.oracle.trainer_v1 import LOAD_FROM, LOAD_TO, SAVE_FROM, SAVE_TO
+    from tools.oracle.verl_runner import _lines, _processor, _tokenizer, run_save_lines
+
+    mode, n, model = "colocate_async", spec["n"], spec["model"]
+    trainer_cls = ingest_trainer(get_trainer_cls(mode))
+    source = open(sys.modules[trainer_base.__name__].__file__).read()
+    save_lines, load_lines = _lines(source, SAVE_FROM, SAVE_TO), _lines(source, LOAD_FROM, LOAD_TO)
+    tokenizer, processor = _tokenizer(model), _processor(model)
+
+    def new_trainer(handoff: bool, worker):
+        trainer = object.__new__(trainer_cls)  # no worker groups: the data side of verl's trainer
+        trainer.config = OmegaConf.create(
+            {
+                "data": {**spec["trainer_data"], "media_handoff": handoff},
+                "trainer": {
+                    "total_epochs": 1,
+                    "total_training_steps": None,
+                    "v1": {"trainer_mode": mode, "sampler": {}, mode: {"num_warmup_batches": 1}},
+                },
+                "algorithm": {"filter_groups": None},
+                "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-6}}},
+                "critic": {"optim": {"lr": 1e-5}},
+            }
+        )
+        trainer.tokenizer, trainer.processor = tokenizer, processor
+        trainer.trainer_mode, trainer.parameter_sync_step, trainer.global_steps = mode, 1, 0
+        trainer.agent_loop_manager = _ManagerStandIn(worker)
+        trainer._init_dataloader()  # verl's own, then ours: gen_batch_size 1
+        return trainer
+
+    def submit_step(trainer) -> list[str]:
+        trainer.global_steps += 1
+        batch = trainer._next_train_batch()
+        trainer._submit_batch_to_rollout(batch)
+        return list(batch["uid"])
+
+    def new_worker(handoff: bool):
+        config = trainer_config(model, n, spec["prompt_length"], handoff)
+        return ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(config, FixedTokenServer())
+
+    result = {}
+    worker = new_worker(False)
+    trainer = new_trainer(False, worker)
+    steps = [submit_step(trainer) for _ in range(3)]
+    result["stock"] = {"statuses": [_settled(uids) for uids in steps], "samples": [_samples(u, n) for u in steps]}
+    tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
+    ray.kill(worker)
+
+    worker = new_worker(True)
+    trainer = new_trainer(True, worker)
+    steps = [submit_step(trainer) for _ in range(2)]
+    statuses = [_settled(uids) for uids in steps]
+    run_save_lines(save_lines, trainer, spec["checkpoint_dir"])  # data.pt after step 2
+    trainer.global_steps += 1
+    batch = trainer._next_train_batch()
+    _, key = prompt_media_key(list(batch["raw_prompt"])[1])
+    held = trainer.train_dataloader.held_media
+    _, _, file, row = held.lookup(key)
+    ray.get(held.store.release.remote([key]))  # gone while TransferQueue holds its prompt
+    trainer._submit_batch_to_rollout(batch)
+    faulted = list(batch["uid"])
+    fault = {"statuses": _settled(faulted), "uid": faulted[1], "file": file, "row": row}
+    tq.kv_clear(
+        keys=[k for k in tq.kv_list(PARTITION).get(PARTITION, {}) if k.split("_")[0] in faulted], partition_id=PARTITION
+    )
+    resumed = new_trainer(True, worker)
+    resumed.global_steps = 2
+    folder = os.path.join(spec["checkpoint_dir"], "global_step_2")
+    scope = {"self": resumed, "os": os, "torch": torch, "global_step_folder": folder, "logger": logging}
+    exec(load_lines, scope)  # verl's own data.pt lines
+    steps.append(submit_step(resumed))
+    statuses.append(_settled(steps[-1]))
+    result["handoff"] = {
+        "statuses": statuses,
+        "samples": [_samples(u, n) for u in steps],
+        "fault": fault,
+        "held_rows": trainer.train_dataloader.config.media_handoff_held,
+        **ray.get(worker.stats.remote()),
+    }
+    tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
+    ray.kill(worker)
     return result

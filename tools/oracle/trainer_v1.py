@@ -115,6 +115,7 @@ def trainer_v1(spec: dict) -> dict:
     result = {
         "dataset_classes": [type(first.train_dataset).__name__, type(first.val_dataset).__name__],
         "gen_batch_size": data.get("gen_batch_size"),
+        "media_handoff_held": first.train_dataloader.config.media_handoff_held,
         "len_train_dataset": len(first.train_dataset),
         "len_train": len(first.train_dataloader),
         "len_val": len(first.val_dataloader),
