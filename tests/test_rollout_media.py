@@ -374,12 +374,15 @@ def _same_arrays(ours: list, theirs: list) -> bool:
 
 # per release: (family, media, batches, batch size, rollout.n, agent loop); the videos with an image beside them in
 # every row; the tool loop renders its prompt with a tool schema
+# images, and a tool that returns one more on the first turn (tools/oracle/image_tool.py)
+TOOL_IMAGE = "images + tool image"
 HANDOFF_CASES = {
     "verl-0.9": [
         ("qwen2-vl", "images", 2, 8, N, "single_turn_agent"),
         ("qwen2.5-vl", "frame lists", 1, 4, 2, "single_turn_agent"),
         ("qwen3-vl", "video files", 1, 4, 2, "single_turn_agent"),
         ("qwen2-vl", "images", 1, 4, 2, "tool_agent"),
+        ("qwen2-vl", TOOL_IMAGE, 1, 4, 2, "tool_agent"),
     ],
     "verl-0.7": [
         ("qwen2-vl", "images", 2, 8, N, "single_turn_agent"),
@@ -400,12 +403,13 @@ def _handoff_cases(row_format: str, root, geo3k_files: list, model_dir: str) -> 
         where = root / f"{family}-{media.replace(' ', '-')}-{agent}"
         model = rollout_model_dir(where / "model", processors[family](where / "processor"), family)
         files = [str(f) for f in geo3k_files]
-        if media != "images":
+        if not media.startswith("images"):
             kind = "frames" if media == "frame lists" else "file"
             files = [str(f) for f in write_video_parquet(where / "data", size * batches, kind=kind, with_images=True)]
         spec = {"files": files, "model": model, "n": n, "batch_size": size, "batches": batches, "prompt_length": 8192}
         data = {"row_format": row_format, "max_prompt_length": 8192}  # every row kept: the batch sizes below
-        cases.append({**spec, "data": data, "agent": agent, "case": (family, media, n, size * batches, agent)})
+        case = (family, media, n, size * batches, agent)
+        cases.append({**spec, "data": data, "agent": agent, "tool_image": media == TOOL_IMAGE, "case": case})
     return cases
 
 
@@ -524,30 +528,54 @@ def test_handed_off_media_give_verls_agent_loop_inputs(geo3k_files, model_dir, t
                 assert torch.equal(tensor, handed["tensors"][name]), (case["case"], name)
             assert len(expected["multi_modal_inputs"]) == case["batch_size"] * n
             for ours, theirs in zip(handed["multi_modal_inputs"], expected["multi_modal_inputs"], strict=True):
-                kind = "pixel_values" if media == "images" else "pixel_values_videos"
+                kind = "pixel_values" if media.startswith("images") else "pixel_values_videos"
                 assert ours.keys() == theirs.keys() and kind in theirs, (case["case"], theirs.keys())
                 for name, tensor in theirs.items():
                     assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), (case["case"], name)
         # the server gets the same prompt ids, images and video frames (a batch's samples finish in any order)
         order = lambda request: request["prompt_ids"]  # noqa: E731
         stock, ours = sorted(outcome["stock_requests"], key=order), sorted(outcome["handoff_requests"], key=order)
-        assert len(stock) == len(ours) == prompts * n
-        for theirs, mine in zip(stock, ours, strict=True):
-            assert theirs["prompt_ids"] == mine["prompt_ids"]
-            assert _same_arrays(mine["images"], theirs["images"]) and theirs["images"]
-            assert _same_arrays(mine["videos"], theirs["videos"]) and bool(theirs["videos"]) == (media != "images")
-        # no sample made its prompt's media again (the tool loop's prompt, rendered with its tool schema, is verl's
-        # one processor call per sample; its training inputs are the payload's); the rows carried URIs, not media
+        _same_requests(stock, ours, case["case"])
         counts = outcome["handoff_counts"]
-        renders = prompts * n if agent == "tool_agent" else 0
-        assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (case["case"], counts)
+        _no_media_made_again(counts, case["case"])
         # image prompts: made by the pipeline's kernels (under transformers 5: 4.57's processors give no
         # mm_token_type_ids); with videos: by verl's functions in the vision actors
-        maker = "kernels" if media == "images" and kernels_serve_installed_transformers() else "verl"
+        maker = "kernels" if media.startswith("images") and kernels_serve_installed_transformers() else "verl"
         assert counts["made_by"][maker] > 0 and sum(counts["made_by"].values()) == counts["made_by"][maker], counts
         raw_prompt = outcome["last_raw_prompt"][0]
         items = [item for message in raw_prompt for item in message["content"] if item["type"] in ("image", "video")]
         assert items and all(parse_media_uri(item[item["type"]]) for item in items)
+
+
+def _same_requests(theirs: list[dict], ours: list[dict], case: tuple) -> None:
+    """The server got the same prompt ids, images and video frames from both sides (each side's requests in prompt
+    ids' order: a batch's samples finish in any order); a tool's image in each sample's second turn."""
+    family, media, n, prompts, agent = case
+    turns = 2 if media == TOOL_IMAGE else 1
+    assert len(theirs) == len(ours) == prompts * n * turns
+    for expected, got in zip(theirs, ours, strict=True):
+        assert expected["prompt_ids"] == got["prompt_ids"]
+        assert _same_arrays(got["images"], expected["images"]) and expected["images"]
+        assert _same_arrays(got["videos"], expected["videos"])
+        assert bool(expected["videos"]) == (not media.startswith("images"))
+    if media == TOOL_IMAGE:
+        from tools.oracle.image_tool import cropped_figure
+
+        tool_image = np.asarray(cropped_figure())
+        assert sum(np.array_equal(got["images"][-1], tool_image) for got in ours) == prompts * n
+
+
+def _no_media_made_again(counts: dict, case: tuple) -> None:
+    """No sample made its prompt's media again: no qwen-vl-utils call, and the processor only where verl renders: a
+    tool loop's prompt with its tool schemas, once per sample (its training inputs are the payload's). Where a tool
+    added an image, verl makes the trajectory's training inputs itself."""
+    family, media, n, prompts, agent = case
+    renders = prompts * n if agent == "tool_agent" else 0
+    if media == TOOL_IMAGE:
+        # the prompt; the tool's turn, rendered twice (verl's builder takes the suffix of a full render past the
+        # prefix's); the trajectory's training inputs
+        renders = prompts * n * 4
+    assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (case, counts)
 
 
 def _same_sample(ours: dict, theirs: dict, where) -> None:
@@ -584,20 +612,14 @@ def test_handed_off_media_give_verls_v1_agent_loop_inputs(verl09_checks, case):
     for step, (theirs, ours) in enumerate(zip(stock["samples"], handoff["samples"], strict=True)):
         assert len(theirs) == len(ours) == spec["batch_size"] * n
         for k, (mine, expected) in enumerate(zip(ours, theirs, strict=True)):
-            kind = "pixel_values" if media == "images" else "pixel_values_videos"
+            kind = "pixel_values" if media.startswith("images") else "pixel_values_videos"
             assert kind in expected["multi_modal_inputs"], (spec["case"], expected["multi_modal_inputs"].keys())
             _same_sample(mine, expected, (spec["case"], step, k))
     order = lambda request: request["prompt_ids"]  # noqa: E731
-    theirs, mine = sorted(stock["requests"], key=order), sorted(handoff["requests"], key=order)
-    assert len(theirs) == len(mine) == prompts * n
-    for expected, got in zip(theirs, mine, strict=True):
-        assert expected["prompt_ids"] == got["prompt_ids"]
-        assert _same_arrays(got["images"], expected["images"]) and expected["images"]
-        assert _same_arrays(got["videos"], expected["videos"]) and bool(expected["videos"]) == (media != "images")
+    _same_requests(sorted(stock["requests"], key=order), sorted(handoff["requests"], key=order), spec["case"])
     counts = handoff["counts"]
-    renders = prompts * n if agent == "tool_agent" else 0
-    assert counts["process_vision_info"] == 0 and counts["processor"] == renders, (spec["case"], counts)
-    maker = "kernels" if media == "images" and kernels_serve_installed_transformers() else "verl"
+    _no_media_made_again(counts, spec["case"])
+    maker = "kernels" if media.startswith("images") and kernels_serve_installed_transformers() else "verl"
     assert counts["made_by"][maker] > 0 and sum(counts["made_by"].values()) == counts["made_by"][maker], counts
     items = [
         item

@@ -21,6 +21,8 @@ GEO3K_INSTRUCTION = (
 )
 
 IMAGE_KINDS = ("png", "jpeg", "gray", "palette", "rgba", "tiny", "wide", "tall")
+# the kinds above and a photo over 2,000 px wide (JPEG): the hand-off bench's mixed workload
+MIXED_KINDS = (*IMAGE_KINDS, "large")
 
 
 def make_image(kind: str, rng: random.Random, *, grain: int = 1):
@@ -38,6 +40,8 @@ def make_image(kind: str, rng: random.Random, *, grain: int = 1):
         w, h = rng.randint(600, 900), rng.randint(28, 40)
     elif kind == "tall":
         w, h = rng.randint(28, 40), rng.randint(600, 900)
+    elif kind == "large":
+        w, h = rng.randint(2000, 2400), rng.randint(160, 320)
     else:
         w, h = rng.randint(64, 800), rng.randint(64, 800)
     cells = (-(-h // grain), -(-w // grain))
@@ -55,7 +59,7 @@ def make_image(kind: str, rng: random.Random, *, grain: int = 1):
         alpha = Image.fromarray(coarse(np.random.default_rng(1).integers(0, 256, cells, dtype=np.uint8)))
         image.putalpha(alpha)
         return image, "PNG"
-    return image, ("JPEG" if kind == "jpeg" else "PNG")
+    return image, ("JPEG" if kind in ("jpeg", "large") else "PNG")
 
 
 def encode_image(image, fmt: str) -> bytes:
@@ -164,6 +168,19 @@ def write_geo3k_parquet(
         pq.write_table(pa.Table.from_pylist(chunk, schema=schema), path, row_group_size=row_group_size)
         paths.append(str(path))
     return paths
+
+
+def write_geo3k_struct_parquet(
+    out_dir: str | os.PathLike, num_rows: int, *, seed: int = 0, row_group_size: int = 100, **kw
+) -> list[str]:
+    """geo3k-shaped Parquet whose images are plain ``{bytes, path}`` structs (no HF ``Image()`` metadata), as pandas
+    or pyarrow write them: verl opens the bytes itself."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "geo3k-struct-00000.parquet"
+    table = pa.Table.from_pylist(geo3k_rows(num_rows, seed=seed, **kw), schema=geo3k_schema().remove_metadata())
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return [str(path)]
 
 
 def exif_photo_rows(seed: int = 0) -> list[dict]:

@@ -25,10 +25,13 @@ RESPONSE_TOKENS = [9707, 11, 1879, 0, 151645]  # "Hello, world!<|im_end|>" in Qw
 
 
 class FixedTokenServer:
-    """verl's LLM server client, standing in: every request gets ``RESPONSE_TOKENS``; requests are recorded."""
+    """verl's LLM server client, standing in: every request gets ``RESPONSE_TOKENS``, but a session's first gets
+    ``tool_call`` where given (a tool call's tokens); requests are recorded."""
 
-    def __init__(self):
+    def __init__(self, tool_call: list[int] | None = None):
         self.requests: list[dict] = []
+        self.tool_call = tool_call
+        self.sessions: set[str] = set()  # request ids seen: a session keeps its id across turns
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None, **kwargs):
         from verl.workers.rollout.replica import TokenOutput
@@ -36,7 +39,10 @@ class FixedTokenServer:
         images = [np.asarray(image) for image in image_data or []]
         videos = [np.asarray(video[0] if isinstance(video, tuple) else video) for video in video_data or []]
         self.requests.append({"prompt_ids": list(prompt_ids), "images": images, "videos": videos})
-        return TokenOutput(token_ids=list(RESPONSE_TOKENS), num_preempted=0)
+        first = request_id not in self.sessions
+        self.sessions.add(request_id)
+        tokens = self.tool_call if first and self.tool_call else RESPONSE_TOKENS
+        return TokenOutput(token_ids=list(tokens), num_preempted=0)
 
 
 class CallCounter:
@@ -78,7 +84,9 @@ TOOL_CONFIG = """tools:
 """
 
 
-def trainer_config(model: str, n: int, prompt_length: int, handoff: bool, tool_config: str | None = None):
+def trainer_config(
+    model: str, n: int, prompt_length: int, handoff: bool, tool_config: str | None = None, response_length: int = 64
+):
     """verl's own ``ppo_trainer`` config (its installed yaml) with the rollout settings this comparison needs (and
     ``tool_config``, a tool config file for the tool loop)."""
     import verl
@@ -87,7 +95,7 @@ def trainer_config(model: str, n: int, prompt_length: int, handoff: bool, tool_c
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.rollout.prompt_length={prompt_length}",
-        "actor_rollout_ref.rollout.response_length=64",
+        f"actor_rollout_ref.rollout.response_length={response_length}",
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.name=vllm",
     ]
@@ -220,7 +228,7 @@ def compare_on_loader_rows(spec: dict) -> dict:
     if agent == "tool_agent":
         tool_config = os.path.join(os.path.dirname(model), "tool_config.yaml")
         with open(tool_config, "w") as f:
-            f.write(TOOL_CONFIG)
+            f.write(_tool_image_config(spec) if spec.get("tool_image") else TOOL_CONFIG)
 
     def first_batches(config: dict) -> tuple[VerlDataLoader, list[dict]]:
         """The loader (it holds the store of its handed-off media: keep it) and its first batches."""
@@ -238,15 +246,33 @@ def compare_on_loader_rows(spec: dict) -> dict:
     return result
 
 
+def _tool_image_config(spec: dict) -> str:
+    """The tool config of ``image_tool.FigureCropTool``; ``spec["tool_call"]`` set to the tokens of its call, which
+    the stand-in server makes on each session's first turn (the model's own tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from tools.oracle.image_tool import IMAGE_TOOL_CONFIG, TOOL_CALL
+
+    spec["tool_call"] = AutoTokenizer.from_pretrained(spec["model"]).encode(TOOL_CALL, add_special_tokens=False)
+    return IMAGE_TOOL_CONFIG
+
+
+def worker_settings(spec: dict, handoff: bool, tool_config: str | None) -> tuple[Any, FixedTokenServer]:
+    """A worker's verl config and its stand-in server, for ``spec``'s case."""
+    # a tool's image and its turn need room in the response
+    response_length = 256 if spec.get("tool_image") else 64
+    config = trainer_config(spec["model"], spec["n"], spec["prompt_length"], handoff, tool_config, response_length)
+    return config, FixedTokenServer(spec.get("tool_call"))
+
+
 def _compare_legacy(spec: dict, batches: dict[str, list[dict]], tool_config: str | None) -> dict:
     """verl's ``AgentLoopWorker`` on the stock ``batches`` (in this process) and ``IngestAgentLoopWorker`` on the
     handed-off ones (an actor of its own)."""
     import ray
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    model, n, agent = spec["model"], spec["n"], spec.get("agent")
-    stock_server = FixedTokenServer()
-    stock_config = trainer_config(model, n, spec["prompt_length"], False, tool_config)
+    n, agent = spec["n"], spec.get("agent")
+    stock_config, stock_server = worker_settings(spec, False, tool_config)
     stock = new_worker(AgentLoopWorker, stock_config, stock_server)
     expected, stock_cpu = [], 0.0
     for batch in batches["stock"]:
@@ -254,8 +280,7 @@ def _compare_legacy(spec: dict, batches: dict[str, list[dict]], tool_config: str
         expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n, agent)))))
         stock_cpu += time.process_time() - started
 
-    config = trainer_config(model, n, spec["prompt_length"], True, tool_config)
-    worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(config, FixedTokenServer())
+    worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(*worker_settings(spec, True, tool_config))
     handed, requests, counts = [], [], []
     for batch in batches["handoff"]:
         out, seen, count = ray.get(worker.run.remote(repeated(batch, n, agent)))

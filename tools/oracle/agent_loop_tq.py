@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tools.oracle.agent_loop import CallCounter, FixedTokenServer, trainer_config
+from tools.oracle.agent_loop import CallCounter, FixedTokenServer, trainer_config, worker_settings
 
 # what a sample's worker puts into TransferQueue and the trainer trains on; the rest are the prompt's own fields
 # (raw_prompt holds media URIs on the hand-off side) and the worker's bookkeeping
@@ -178,11 +178,11 @@ def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | No
     import ray
     import transfer_queue as tq
 
-    model, n, size, agent = spec["model"], spec["n"], spec["batch_size"], spec.get("agent")
+    n, size, agent = spec["n"], spec["batch_size"], spec.get("agent")
     result = {}
     for side, handoff in (("stock", False), ("handoff", True)):
-        config = trainer_config(model, n, spec["prompt_length"], handoff, tool_config)
-        worker = ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(config, FixedTokenServer())
+        settings = worker_settings(spec, handoff, tool_config)
+        worker = ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(*settings)
         trainer = _TrainerStandIn.with_verls_methods()(batches[side], size, worker, agent)
         samples, raw_prompt = [], None
         for step in range(1, len(batches[side]) + 1):
