@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .oracle-0.8/.installed .oracle-0.9/.installed
 
-.PHONY: install oracle demo test test-all test-envs test-envs-ci lint bench clean
+.PHONY: install oracle demo test test-all test-envs test-envs-ci lint bench wheel clean
 
 # Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it), no process writes the bytecode of what it
 # imports: every Ray worker would compile this checkout's modules again. pip compiles what it installs; this compiles
@@ -102,6 +102,11 @@ test-envs-ci: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check ingest actors tests tools
 	$(PY) -m ruff format --check ingest actors tests tools
+
+# the wheel (and sdist) to install into another environment: ray-ingest is not on PyPI
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 bench: $(STAMP) .oracle/.installed
 	$(PY) -m ingest bench text --rows 20000 200000

@@ -94,6 +94,24 @@ def test_verls_entry_point_runs_on_the_pipeline(model_dir, tmp_path, case):
     assert f"{trainer_name}: the train and val dataloaders are the ingest pipeline's ({steps} and 1 batches" in output
 
 
+@matrix
+@pytest.mark.parametrize("release", first_fast(["verl-0.9", "verl-0.5", "verl-0.6", "verl-0.7"]))
+def test_the_embedded_tokenizer_folder_is_a_model_path_verl_loads(model_dir, tmp_path, release):
+    """``python -m ingest make-tokenizer``'s folder as ``actor_rollout_ref.model.path``: the release's own
+    ``hf_tokenizer`` and ``hf_processor`` load it (``hf_processor`` reads the model type from ``config.json``:
+    without one, verl 0.9.1's returns None)."""
+    if not oracle_available(release):
+        pytest.skip(f"the {release} oracle is not installed (make oracle)")
+    code = (
+        "import sys; from verl.utils import hf_processor, hf_tokenizer; "
+        "print(type(hf_processor(sys.argv[1])).__name__, hf_tokenizer(sys.argv[1]).encode('Hello world'))"
+    )
+    env = oracle_environment(release, tmp_path)
+    done = subprocess.run([sys.executable, "-c", code, model_dir], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "Qwen2VLProcessor [9707, 1879]", done.stdout[-2000:]
+
+
 def test_the_pipelines_data_keys_work_typed_plain_or_with_a_plus():
     """Hydra refuses ``data.media_handoff=true`` (verl's config lacks the key) and ``+data.max_prompt_length=...``
     (it has that one): ``main_ppo`` makes each ``DataConfig`` key ``++`` (add or override), so both forms work."""

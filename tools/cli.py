@@ -41,7 +41,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.kind == "handoff":  # verl 0.9.1's agent loop, stock vs media_handoff (--rows: prompts, default 2000)
         from tools.handoff_bench import bench_handoff
 
-        result = bench_handoff(rows=(args.rows or [2000])[0], runs=args.runs, work_dir=args.work_dir)
+        result = bench_handoff(
+            rows=(args.rows or [2000])[0],
+            runs=args.runs,
+            work_dir=args.work_dir,
+            workload=args.workload,
+            paths=tuple(args.path),
+        )
         print(json.dumps(result, indent=2))
         return 0
     if args.kind == "verl09":  # verl 0.9.1 vs row_format verl-0.9 (or --row-format verl-0.7: 0.7.1), cold
@@ -101,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--skip-verl", action="store_true")
     bench.add_argument("--runs", type=int, default=1, help="handoff only: runs of both sides, one after another")
+    bench.add_argument(
+        "--workload",
+        default="geo3k",
+        choices=["geo3k", "mixed"],
+        help="handoff only: geo3k-shaped prompts, or the mixed workload (Image() and plain-struct columns, JPEG and "
+        "PNG, 28 px to over 2,000 px, several images a prompt, frame-list videos)",
+    )
+    bench.add_argument(
+        "--path",
+        nargs="+",
+        default=["legacy"],
+        choices=["legacy", "v1"],
+        help="handoff only: verl 0.9's legacy agent-loop worker, its v1 (TransferQueue) worker, or both",
+    )
     bench.add_argument(
         "--row-format",
         default="verl-0.9",

@@ -26,19 +26,46 @@ import time
 from pathlib import Path
 
 from tools.bench import geo3k_files
-from tools.session import cache_dir, machine
+from tools.session import cache_dir, cached_files, machine
 from tools.verl09_bench import _measured
 
 ROW_FORMAT = "verl-0.9"
 PROMPT_LENGTH = 4096
 
 
-def _side(check: str, files: list[str], model: str, work: Path, n: int, batch_size: int, workers: int) -> dict:
+def mixed_file_sets(work: Path, rows: int) -> list[list[str]]:
+    """The mixed workload's data sets (each of one schema, as a user's data set is): half the prompts geo3k-shaped in
+    an HF ``Image()`` column, three tenths the same in plain ``{bytes, path}`` structs, the rest frame-list videos
+    beside an image. Images of every PIL mode verl meets, JPEG and PNG, 28 px to over 2,000 px; every fifth image
+    prompt has two; every fourth video prompt two videos."""
+    from tools.samples import MIXED_KINDS, write_geo3k_parquet, write_geo3k_struct_parquet, write_video_parquet
+
+    image, struct = rows // 2, rows * 3 // 10
+    video = rows - image - struct
+    return [
+        cached_files(work, f"mixed-image-{image}", lambda out: write_geo3k_parquet(out, image, kinds=MIXED_KINDS)),
+        cached_files(
+            work,
+            f"mixed-struct-{struct}",
+            lambda out: write_geo3k_struct_parquet(out, struct, seed=1, kinds=MIXED_KINDS),
+        ),
+        cached_files(
+            work,
+            f"mixed-video-{video}",
+            lambda out: write_video_parquet(out, video, kind="frames", with_images=True, seed=2, row_group_size=32),
+        ),
+    ]
+
+
+def _side(
+    check: str, file_sets: list[list[str]], model: str, work: Path, n: int, batch_size: int, workers: int, path: str
+) -> dict:
     from tools.oracle import RUNNER, oracle_environment
 
     out = work / f"{check}-{time.time_ns()}.pkl"
     spec = {
-        "files": files,
+        "file_sets": file_sets,
+        "path": path,
         "model": model,
         "out": str(out),
         "check": check,
@@ -59,8 +86,9 @@ def _side(check: str, files: list[str], model: str, work: Path, n: int, batch_si
 # descendants that are not the pipeline's: the agent-loop workers, Ray's own daemons (there on every side for the
 # agent loop's Ray, whatever feeds it)
 NOT_PIPELINE = frozenset(
-    ("BenchWorker", "DashboardAgent", "RuntimeEnvAgent", "raylet", "gcs_server")
+    ("BenchWorker", "BenchWorkerTQ", "DashboardAgent", "RuntimeEnvAgent", "raylet", "gcs_server")
     + ("monitor.py", "log_monitor.py", "dashboard.py")
+    + ("TransferQueueController", "SimpleStorageUnit")  # the v1 trainer's, whatever feeds it
 )
 
 
@@ -93,9 +121,17 @@ def _ratios(stock: dict, ours: dict, rows: dict) -> dict:
 
 
 def bench_handoff(
-    rows: int = 2000, n: int = 8, batch_size: int = 128, workers: int = 2, runs: int = 1, work_dir: str | None = None
+    rows: int = 2000,
+    n: int = 8,
+    batch_size: int = 128,
+    workers: int = 2,
+    runs: int = 1,
+    work_dir: str | None = None,
+    workload: str = "geo3k",
+    paths: tuple[str, ...] = ("legacy",),
 ) -> dict:
-    """``runs`` runs of both sides (stock first, then the hand-off) on ``rows`` geo3k-shaped prompts."""
+    """``runs`` runs, each of both sides (stock first, then the hand-off, then the rows alone) per agent-loop path
+    (``legacy``, ``v1``), on ``rows`` prompts of ``workload`` (``geo3k``, or ``mixed``: ``mixed_file_sets``)."""
     from ingest.tokenizer.offline import build_offline_model_dir
     from tools.oracle import oracle_available
     from tools.samples import rollout_model_dir
@@ -103,11 +139,12 @@ def bench_handoff(
     if not oracle_available(ROW_FORMAT):
         raise RuntimeError(f"the {ROW_FORMAT} oracle is not installed (run `make oracle`)")
     work = cache_dir(work_dir)
-    files = geo3k_files(work, rows)
+    file_sets = [geo3k_files(work, rows)] if workload == "geo3k" else mixed_file_sets(work, rows)
     model = rollout_model_dir(work / "rollout-model", build_offline_model_dir())
     result = {
         "machine": machine(),
         "commit": os.popen("git rev-parse --short HEAD").read().strip(),
+        "workload": workload,
         "rows": rows,
         "n": n,
         "batch_size": batch_size,
@@ -115,8 +152,13 @@ def bench_handoff(
         "runs": [],
     }
     for _ in range(runs):
-        stock = _side("bench_stock", files, model, work, n, batch_size, workers)
-        ours = _side("bench_handoff", files, model, work, n, batch_size, workers)
-        rows_only = _side("bench_rows", files, model, work, n, batch_size, workers)
-        result["runs"].append({"stock": stock, "hand_off": ours, "rows": rows_only, **_ratios(stock, ours, rows_only)})
+        sides = {}
+        for path in paths:
+            sides["stock"] = _side("bench_stock", file_sets, model, work, n, batch_size, workers, path)
+            sides["hand_off"] = _side("bench_handoff", file_sets, model, work, n, batch_size, workers, path)
+            if "rows" not in sides:  # no agent loop: the same for each path
+                sides["rows"] = _side("bench_rows", file_sets, model, work, n, batch_size, workers, path)
+            ratios = _ratios(sides["stock"], sides["hand_off"], sides["rows"])
+            result["runs"].append({"path": path, **sides, **ratios})
+            print(json.dumps({"path": path, **ratios}), file=sys.stderr, flush=True)  # each run as it ends
     return result

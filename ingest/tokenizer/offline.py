@@ -2,7 +2,8 @@
 
 The ``dashscope`` wheel ships ``qwen.tiktoken`` (the 151,643 BPE ranks Qwen2 / Qwen2-VL use). From it we build a
 ``tokenizers.Tokenizer``, add Qwen's special tokens on their real ids, wrap it with the published Qwen2-VL chat template
-and save a processor directory that transformers 5 (and 4.57, for the verl oracle) loads like a hub download.
+and save a processor directory that transformers 5 (and 4.57, for the verl oracle) loads like a hub download, with a
+``config.json`` naming the model type, so that the folder is a model path verl's own loaders take.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ QWEN2_VL_CHAT_TEMPLATE = (
 
 
 # bumped when the directory's files change form; an older directory is rebuilt
-FORMAT_MARKER, FORMAT_VERSION = ".ray-ingest-format", "2"
+FORMAT_MARKER, FORMAT_VERSION = ".ray-ingest-format", "3"
+# the folder's config.json (no weights): verl's hf_processor and rollout read the model type from it
+MODEL_CONFIG = {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]}
 
 
 def default_model_dir() -> Path:
@@ -125,6 +128,7 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
         tokenizer.save_pretrained(tmp)
     _make_loadable_by_transformers4(tmp)
     _compact_tokenizer_json(tmp / "tokenizer.json")
+    (tmp / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
     (tmp / FORMAT_MARKER).write_text(FORMAT_VERSION)
     if out.exists() and force:
         import shutil

@@ -25,23 +25,28 @@ RESPONSE_TOKENS = [9707, 11, 1879, 0, 151645]  # "Hello, world!<|im_end|>" in Qw
 
 
 class FixedTokenServer:
-    """verl's LLM server client, standing in: every request gets ``RESPONSE_TOKENS``, but a session's first gets
-    ``tool_call`` where given (a tool call's tokens); requests are recorded."""
+    """verl's LLM server client, standing in: every request gets ``RESPONSE_TOKENS``, but where ``tool_call`` is given
+    (a tool call's tokens) the first request of a session whose prompt has an even number of ids gets it (so about
+    half the prompts call the tool, the same ones on every side); requests are recorded."""
 
-    def __init__(self, tool_call: list[int] | None = None):
+    def __init__(self, tool_call: list[int] | None = None, record: bool = True):
         self.requests: list[dict] = []
-        self.tool_call = tool_call
+        self.calls = 0
+        self.tool_call, self.record = tool_call, record  # record: keep each request (a bench counts them only)
         self.sessions: set[str] = set()  # request ids seen: a session keeps its id across turns
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None, **kwargs):
         from verl.workers.rollout.replica import TokenOutput
 
-        images = [np.asarray(image) for image in image_data or []]
-        videos = [np.asarray(video[0] if isinstance(video, tuple) else video) for video in video_data or []]
-        self.requests.append({"prompt_ids": list(prompt_ids), "images": images, "videos": videos})
+        self.calls += 1
+        if self.record:
+            images = [np.asarray(image) for image in image_data or []]
+            videos = [np.asarray(video[0] if isinstance(video, tuple) else video) for video in video_data or []]
+            self.requests.append({"prompt_ids": list(prompt_ids), "images": images, "videos": videos})
         first = request_id not in self.sessions
         self.sessions.add(request_id)
-        tokens = self.tool_call if first and self.tool_call else RESPONSE_TOKENS
+        calls_tool = first and self.tool_call and len(prompt_ids) % 2 == 0
+        tokens = self.tool_call if calls_tool else RESPONSE_TOKENS
         return TokenOutput(token_ids=list(tokens), num_preempted=0)
 
 
@@ -174,6 +179,58 @@ def _handoff_worker_class():
     return HandoffWorker
 
 
+class WorkerHost:
+    """A process hosting the comparison's workers of one side one after another (each case's, each path's), so that
+    verl, transformers and torch are imported once for all of them, not once per worker actor. Stock and hand-off
+    workers never share one: a hand-off worker puts our agent loops in the process's registry. An async actor: verl's
+    v1 worker runs a prompt's sessions as tasks in its event loop."""
+
+    def __init__(self):
+        self.worker = None
+
+    async def start(self, cls: type, *args) -> None:
+        from ingest.verl import rollout_media
+
+        rollout_media._CACHE.payloads.clear()  # the payloads this worker fetches alone (its "made_by" counts)
+        self.worker = cls(*args)
+
+    async def call(self, method: str, *args) -> Any:
+        import inspect
+
+        result = getattr(self.worker, method)(*args)
+        return await result if inspect.isawaitable(result) else result
+
+
+class HostedWorker:
+    """The worker a ``WorkerHost`` holds, called as an actor is (``worker.method.remote(*args)``)."""
+
+    def __init__(self, host: Any):
+        self.host = host
+
+    def __getattr__(self, name: str) -> Any:
+        host = self.host
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                return host.call.remote(name, *args)
+
+        return Method
+
+
+_HOSTS: dict[str, Any] = {}  # side ("stock", "handoff") -> its WorkerHost in this Ray session
+
+
+def hosted_worker(side: str, cls: type, *args) -> HostedWorker:
+    """A ``cls(*args)`` worker in the ``WorkerHost`` of ``side`` (started on first need in this Ray session)."""
+    import ray
+
+    if side not in _HOSTS:
+        _HOSTS[side] = ray.remote(WorkerHost).options(num_cpus=0).remote()
+    ray.get(_HOSTS[side].start.remote(cls, *args))
+    return HostedWorker(_HOSTS[side])
+
+
 def _shutdown_ray() -> None:
     """``ray.shutdown()`` once the loaders a check left mid-read are collected: such a read's iterator sits in a
     reference cycle, and its Ray Data threads (the prefetcher) would outlive the shutdown; Ray 2.55 (verl 0.7.1's own
@@ -183,6 +240,7 @@ def _shutdown_ray() -> None:
     import ray
 
     gc.collect()
+    _HOSTS.clear()
     ray.shutdown()
 
 
@@ -280,14 +338,13 @@ def _compare_legacy(spec: dict, batches: dict[str, list[dict]], tool_config: str
         expected.append(plain(asyncio.run(stock.generate_sequences(repeated(batch, n, agent)))))
         stock_cpu += time.process_time() - started
 
-    worker = ray.remote(_handoff_worker_class()).options(num_cpus=0).remote(*worker_settings(spec, True, tool_config))
+    worker = hosted_worker("handoff", _handoff_worker_class(), *worker_settings(spec, True, tool_config))
     handed, requests, counts = [], [], []
     for batch in batches["handoff"]:
         out, seen, count = ray.get(worker.run.remote(repeated(batch, n, agent)))
         handed.append(out)
         counts.append(count)
     requests = seen  # the worker's server keeps every request of the run
-    ray.kill(worker)
     return {
         "expected": expected,
         "handed_off": handed,
@@ -524,7 +581,7 @@ class BenchWorker:
             from ingest.verl.agent_loop import IngestAgentLoopWorker as cls
         else:
             cls = AgentLoopWorker
-        self.worker = new_worker(cls, config, FixedTokenServer())
+        self.worker = new_worker(cls, config, FixedTokenServer(record=False))
         self.step_cpu_s, self.samples = 0.0, 0
 
     async def run(self, batch) -> int:
@@ -538,7 +595,7 @@ class BenchWorker:
         return {"samples": self.samples, "step_cpu_s": self.step_cpu_s, "media_cpu_s": self.meter.seconds}
 
 
-def _stock_batches(spec: dict, config):
+def _stock_batches(files: list[str], spec: dict, config):
     """verl 0.9's own loader as its trainer makes it: ``RLHFDataset`` and a ``StatefulDataLoader`` with verl's
     ``collate_fn`` and its config's workers."""
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -546,23 +603,51 @@ def _stock_batches(spec: dict, config):
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 
     data = config.data
-    dataset = RLHFDataset(spec["files"], hf_tokenizer(spec["model"]), data, hf_processor(spec["model"]))
+    dataset = RLHFDataset(files, hf_tokenizer(spec["model"]), data, hf_processor(spec["model"]))
     workers = data.get("dataloader_num_workers", 8)
     return StatefulDataLoader(dataset, batch_size=spec["batch_size"], num_workers=workers, collate_fn=collate_fn)
 
 
+def _side_batches(side: str, spec: dict, config):
+    """Each file set's batches in turn (a data set of one schema each): verl's loader (stock) or ours."""
+    for files in spec["file_sets"]:
+        if side == "stock":
+            yield from _stock_batches(files, spec, config)
+            continue
+        from ingest.verl import VerlDataLoader
+
+        data = {"row_format": "verl-0.9", "shuffle": False, "max_prompt_length": spec["prompt_length"]}
+        data["media_handoff"] = side == "hand-off"
+        yield from VerlDataLoader(files, spec["model"], data, spec["batch_size"], spec["model"], drop_last=False)
+
+
+def _legacy_steps(batches, workers: list, n: int) -> int:
+    """verl's legacy manager's way: each batch ``n`` times over, split over the workers, waited for."""
+    import ray
+
+    prompts = 0
+    for batch in batches:
+        if workers:
+            chunks = repeated(batch, n).chunk(len(workers))
+            ray.get([worker.run.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
+        prompts += len(batch["raw_prompt"])
+    return prompts
+
+
 def bench_side(spec: dict) -> dict:
     """One side of ``python -m ingest bench handoff`` in a new process (the clock starts before Ray does): every
-    batch of ``spec["files"]`` repeated ``rollout.n`` times and split over ``spec["workers"]`` agent-loop workers, as
-    verl's manager does. Stock: verl's own loader and worker; hand-off: ``VerlDataLoader`` with ``media_handoff`` and
+    batch of ``spec["file_sets"]`` (one after another) through ``spec["workers"]`` agent-loop workers, each prompt
+    ``rollout.n`` times. Stock: verl's own loader and worker; hand-off: ``VerlDataLoader`` with ``media_handoff`` and
     ``IngestAgentLoopWorker``; rows: ``VerlDataLoader`` without it and no agent loop (what the pipeline spends on
-    the rows alone, so that the hand-off's share of the pipeline's CPU is known whatever actors its stage runs in)."""
+    the rows alone, so that the hand-off's share of the pipeline's CPU is known whatever actors its stage runs in).
+    ``spec["path"]``: ``legacy`` (verl's manager repeats and splits each batch) or ``v1`` (verl's v1 trainer code
+    registers and submits each batch in TransferQueue; ``AgentLoopWorkerTQ`` runs a prompt's sessions)."""
     import resource
 
     import ray
 
     side = {"bench_stock": "stock", "bench_handoff": "hand-off", "bench_rows": "rows"}[spec["check"]]
-    handoff = side == "hand-off"
+    handoff, v1 = side == "hand-off", spec.get("path") == "v1"
     started, cpu_started = time.perf_counter(), time.process_time()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -571,27 +656,27 @@ def bench_side(spec: dict) -> dict:
     config.data.max_prompt_length = spec["prompt_length"]
     workers = []
     if side != "rows":
-        remote = ray.remote(BenchWorker).options(num_cpus=0)
-        workers = [remote.remote(config, handoff) for _ in range(spec["workers"])]
-    if side == "stock":
-        batches = _stock_batches(spec, config)
-    else:
-        from ingest.verl import VerlDataLoader
+        if v1:
+            from tools.oracle.agent_loop_tq import bench_worker_class, start_transfer_queue
 
-        data = {"row_format": "verl-0.9", "shuffle": False, "max_prompt_length": spec["prompt_length"]}
-        data["media_handoff"] = handoff
-        batches = VerlDataLoader(spec["files"], spec["model"], data, spec["batch_size"], spec["model"], drop_last=False)
-    prompts = 0
-    for batch in batches:
-        if workers:
-            chunks = repeated(batch, spec["n"]).chunk(len(workers))
-            ray.get([worker.run.remote(chunk) for worker, chunk in zip(workers, chunks, strict=True)])
-        prompts += len(batch["raw_prompt"])
+            start_transfer_queue()
+            remote = ray.remote(bench_worker_class(handoff)).options(num_cpus=0)
+        else:
+            remote = ray.remote(BenchWorker).options(num_cpus=0)
+        workers = [remote.remote(config, handoff) for _ in range(spec["workers"])]
+    batches = _side_batches(side, spec, config)
+    if v1 and workers:
+        from tools.oracle.agent_loop_tq import v1_bench_steps
+
+        prompts = v1_bench_steps(batches, workers, spec["batch_size"])
+    else:
+        prompts = _legacy_steps(batches, workers, spec["n"])
     wall_s = time.perf_counter() - started
     stats = ray.get([worker.stats.remote() for worker in workers])
     children = os.times()
     result = {
         "side": side,
+        "path": spec.get("path", "legacy"),
         "prompts": prompts,
         "samples": sum(s["samples"] for s in stats),
         "wall_s": round(wall_s, 2),
@@ -601,6 +686,10 @@ def bench_side(spec: dict) -> dict:
         "controller_children_cpu_s": round(children.children_user + children.children_system, 2),
         "controller_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if v1 and workers:
+        import transfer_queue
+
+        transfer_queue.close()
     _shutdown_ray()
     return result
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tools.oracle.agent_loop import CallCounter, FixedTokenServer, trainer_config, worker_settings
+from tools.oracle.agent_loop import CallCounter, FixedTokenServer, hosted_worker, trainer_config, worker_settings
 
 # what a sample's worker puts into TransferQueue and the trainer trains on; the rest are the prompt's own fields
 # (raw_prompt holds media URIs on the hand-off side) and the worker's bookkeeping
@@ -182,7 +182,7 @@ def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | No
     result = {}
     for side, handoff in (("stock", False), ("handoff", True)):
         settings = worker_settings(spec, handoff, tool_config)
-        worker = ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(*settings)
+        worker = hosted_worker(side, _worker_class(handoff), *settings)
         trainer = _TrainerStandIn.with_verls_methods()(batches[side], size, worker, agent)
         samples, raw_prompt = [], None
         for step in range(1, len(batches[side]) + 1):
@@ -195,20 +195,66 @@ def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | No
             samples.append(_samples(uids, n))
         result[side] = {"samples": samples, "last_raw_prompt": raw_prompt, **ray.get(worker.stats.remote())}
         tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
-        ray.kill(worker)
     return result
 
 
 class _ManagerStandIn:
-    """Stands where ``AgentLoopManagerTQ`` is: one worker's ``generate_sequences``."""
+    """Stands where ``AgentLoopManagerTQ`` is: its ``generate_sequences``, the batch split over its workers (a list)
+    or given to its one worker."""
 
-    def __init__(self, worker):
-        self.worker = worker
+    def __init__(self, workers):
+        self.workers = workers if isinstance(workers, list) else [workers]
 
     def generate_sequences(self, batch) -> None:
         import ray
 
-        ray.get(self.worker.generate_sequences.remote(batch))  # the worker's sessions run on in the background
+        chunks = batch.chunk(len(self.workers)) if len(self.workers) > 1 else [batch]
+        # the workers' sessions run on in the background
+        ray.get([worker.generate_sequences.remote(chunk) for worker, chunk in zip(self.workers, chunks, strict=False)])
+
+
+def bench_worker_class(handoff: bool) -> type:
+    """verl's v1 worker (``IngestAgentLoopWorkerTQ`` with ``handoff``) with a stand-in server and its media work
+    metered (``agent_loop.CpuMeter``): ``stats`` gives the media CPU and the process's CPU since it was made (its
+    prompts' sessions run in the background)."""
+    from tools.oracle.agent_loop import CpuMeter, _meter_media_work
+
+    class BenchWorkerTQ(_worker_class(handoff)):
+        def __init__(self, config, handoff: bool):
+            self.meter = CpuMeter()
+            _meter_media_work(self.meter, handoff)
+            super().__init__(config, FixedTokenServer(record=False))
+            self.started = time.process_time()
+
+        def stats(self) -> dict:
+            return {
+                "samples": self.llm_client.calls,  # one request per single-turn session
+                "step_cpu_s": time.process_time() - self.started,
+                "media_cpu_s": self.meter.seconds,
+            }
+
+    return BenchWorkerTQ
+
+
+def v1_bench_steps(batches, workers: list, batch_size: int) -> int:
+    """Each batch through verl's own v1 trainer code (``_next_train_batch``: the uids, the TensorDict;
+    ``_submit_batch_to_rollout``: TransferQueue, then the workers' ``generate_sequences``), waited for until
+    TransferQueue marks its prompts finished, then cleared (as the replay buffer takes them); the prompts."""
+    import transfer_queue as tq
+
+    trainer = _TrainerStandIn.with_verls_methods()([], batch_size, None, None)
+    trainer.agent_loop_manager = _ManagerStandIn(workers)
+    prompts = 0
+    for step, batch in enumerate(batches, 1):
+        trainer.train_dataloader, trainer.train_dataloader_it, trainer.global_steps = [batch], None, step
+        tensors = trainer._next_train_batch()  # verl's own
+        uids = list(tensors["uid"])
+        trainer._submit_batch_to_rollout(tensors)  # verl's own
+        _finished(uids)
+        stored = tq.kv_list(PARTITION).get(PARTITION, {})
+        tq.kv_clear(keys=[key for key in stored if key.split("_")[0] in set(uids)], partition_id=PARTITION)
+        prompts += len(uids)
+    return prompts
 
 
 def _settled(uids: list[str], timeout: float = 600) -> dict[str, str]:
@@ -284,7 +330,7 @@ def v1_steps(spec: dict) -> dict:
 
     def new_worker(handoff: bool):
         config = trainer_config(model, n, spec["prompt_length"], handoff)
-        return ray.remote(_worker_class(handoff)).options(num_cpus=0).remote(config, FixedTokenServer())
+        return hosted_worker("handoff" if handoff else "stock", _worker_class(handoff), config, FixedTokenServer())
 
     result = {}
     worker = new_worker(False)
@@ -292,7 +338,6 @@ def v1_steps(spec: dict) -> dict:
     steps = [submit_step(trainer) for _ in range(3)]
     result["stock"] = {"statuses": [_settled(uids) for uids in steps], "samples": [_samples(u, n) for u in steps]}
     tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
-    ray.kill(worker)
 
     worker = new_worker(True)
     trainer = new_trainer(True, worker)
@@ -326,5 +371,4 @@ def v1_steps(spec: dict) -> dict:
         **ray.get(worker.stats.remote()),
     }
     tq.kv_clear(keys=list(tq.kv_list(PARTITION).get(PARTITION, {})), partition_id=PARTITION)
-    ray.kill(worker)
     return result
