@@ -72,21 +72,28 @@ class CallCounter:
         processor_class.__call__ = counted_call
 
 
-# the tool loop's one tool: verl's plain ``BaseTool`` with a schema (it is never called: the server's fixed response
-# holds no tool call), so the prompt is rendered with a tool schema as a tool-using run's is
-TOOL_CONFIG = """tools:
-  - class_name: verl.tools.base_tool.BaseTool
-    config: {type: native}
+def tool_config(class_name: str, name: str, description: str) -> str:
+    """A verl tool config file's text: one tool, ``class_name``, whose function ``name`` takes an angle's label."""
+    return f"""tools:
+  - class_name: {class_name}
+    config: {{type: native}}
     tool_schema:
       type: function
       function:
-        name: measure_angle
-        description: Measure an angle of the figure in degrees.
+        name: {name}
+        description: {description}
         parameters:
           type: object
-          properties: {label: {type: string, description: "The angle's label, such as ABC."}}
+          properties: {{label: {{type: string, description: "The angle's label, such as ABC."}}}}
           required: [label]
 """
+
+
+# the tool loop's one tool: verl's plain ``BaseTool`` with a schema (it is never called: the server's fixed response
+# holds no tool call), so the prompt is rendered with a tool schema as a tool-using run's is
+TOOL_CONFIG = tool_config(
+    "verl.tools.base_tool.BaseTool", "measure_angle", "Measure an angle of the figure in degrees."
+)
 
 
 def trainer_config(
@@ -189,10 +196,19 @@ class WorkerHost:
         self.worker = None
 
     async def start(self, cls: type, *args) -> None:
+        import gc
+
         from ingest.verl import rollout_media
 
+        self.worker = None  # the last one goes first, with what it recorded
         rollout_media._CACHE.payloads.clear()  # the payloads this worker fetches alone (its "made_by" counts)
+        gc.collect()
         self.worker = cls(*args)
+
+    def rss_mib(self) -> float:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
 
     async def call(self, method: str, *args) -> Any:
         import inspect
@@ -218,13 +234,21 @@ class HostedWorker:
         return Method
 
 
-_HOSTS: dict[str, Any] = {}  # side ("stock", "handoff") -> its WorkerHost in this Ray session
+_HOSTS: dict[str, Any] = {}  # side ("stock", "handoff") -> its WorkerHost in this Ray session (one at a time)
+# a host past this is replaced before its next worker: what workers leave behind (the allocator keeps freed memory)
+# must not add up in a suite that runs beside others on a small machine
+HOST_MAX_RSS_MIB = 2000
 
 
 def hosted_worker(side: str, cls: type, *args) -> HostedWorker:
-    """A ``cls(*args)`` worker in the ``WorkerHost`` of ``side`` (started on first need in this Ray session)."""
+    """A ``cls(*args)`` worker in the ``WorkerHost`` of ``side``: the host of the last call where it is that side's
+    and holds at most ``HOST_MAX_RSS_MIB``, else a new one (the other side's ends first: one host at a time holds a
+    worker process's memory, as one worker actor at a time did)."""
     import ray
 
+    for held in list(_HOSTS):
+        if held != side or ray.get(_HOSTS[held].rss_mib.remote()) > HOST_MAX_RSS_MIB:
+            ray.kill(_HOSTS.pop(held))
     if side not in _HOSTS:
         _HOSTS[side] = ray.remote(WorkerHost).options(num_cpus=0).remote()
     ray.get(_HOSTS[side].start.remote(cls, *args))
@@ -295,11 +319,15 @@ def compare_on_loader_rows(spec: dict) -> dict:
 
     batches = {"stock": first_batches(data)[1]}
     loader, batches["handoff"] = first_batches({**data, "media_handoff": True})
-    result = _compare_legacy(spec, batches, tool_config) if spec.get("legacy", True) else {}
+    # the v1 stock worker first, then the hand-off workers one after another in one host (hosted_worker)
+    v1 = {}
     if spec.get("v1"):
         from tools.oracle.agent_loop_tq import compare_v1
 
-        result["v1"] = compare_v1(spec, batches, tool_config)
+        v1 = compare_v1(spec, batches, tool_config, sides=("stock",))
+    result = _compare_legacy(spec, batches, tool_config) if spec.get("legacy", True) else {}
+    if spec.get("v1"):
+        result["v1"] = {**v1, **compare_v1(spec, batches, tool_config, sides=("handoff",))}
     del loader  # its store goes; the next case makes its own
     return result
 

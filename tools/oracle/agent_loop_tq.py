@@ -172,15 +172,18 @@ def start_transfer_queue() -> None:
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
 
 
-def compare_v1(spec: dict, batches: dict[str, list[dict]], tool_config: str | None) -> dict:
-    """Both sides on ``batches`` (by side: the loader's first batches, stock and with ``media_handoff``), fetched and
-    submitted by verl's own v1 trainer code (Ray and TransferQueue started)."""
+def compare_v1(
+    spec: dict, batches: dict[str, list[dict]], tool_config: str | None, sides: tuple[str, ...] = ("stock", "handoff")
+) -> dict:
+    """``sides`` (stock, hand-off) on ``batches`` (by side: the loader's first batches, stock and with
+    ``media_handoff``), fetched and submitted by verl's own v1 trainer code (Ray and TransferQueue started)."""
     import ray
     import transfer_queue as tq
 
     n, size, agent = spec["n"], spec["batch_size"], spec.get("agent")
     result = {}
-    for side, handoff in (("stock", False), ("handoff", True)):
+    for side in sides:
+        handoff = side == "handoff"
         settings = worker_settings(spec, handoff, tool_config)
         worker = hosted_worker(side, _worker_class(handoff), *settings)
         trainer = _TrainerStandIn.with_verls_methods()(batches[side], size, worker, agent)

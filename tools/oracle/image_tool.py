@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from tools.oracle.agent_loop import tool_config
+
 try:
     from verl.tools.base_tool import BaseTool
     from verl.tools.schemas import ToolResponse
@@ -18,19 +20,9 @@ except ImportError:  # outside a verl environment (the tests' own): the image an
 # the tool call the stand-in server makes on a session's first turn (hermes format, verl's default)
 TOOL_CALL = '<tool_call>\n{"name": "crop_figure", "arguments": {"label": "ABC"}}\n</tool_call><|im_end|>'
 
-IMAGE_TOOL_CONFIG = """tools:
-  - class_name: tools.oracle.image_tool.FigureCropTool
-    config: {type: native}
-    tool_schema:
-      type: function
-      function:
-        name: crop_figure
-        description: Crop the figure around an angle.
-        parameters:
-          type: object
-          properties: {label: {type: string, description: "The angle's label, such as ABC."}}
-          required: [label]
-"""
+IMAGE_TOOL_CONFIG = tool_config(
+    "tools.oracle.image_tool.FigureCropTool", "crop_figure", "Crop the figure around an angle."
+)
 
 
 def cropped_figure() -> Image.Image:
