@@ -288,7 +288,7 @@ class DataConfig:
         if self.media_handoff_ahead is not None and self.media_handoff_ahead < 1:
             raise ValueError(f"media_handoff_ahead must be >= 1 prompt, got {self.media_handoff_ahead}")
         if self.media_handoff_held is not None and self.media_handoff_held < 0:
-            raise ValueError(f"media_handoff_held must be >= 0 prompts, got {self.media_handoff_held}")
+            raise ValueError(f"media_handoff_held must be >= 0 rows, got {self.media_handoff_held}")
         if self.media_handoff and not self.raw_prompt_rows:
             raise ValueError(
                 f"data.media_handoff: the rollout's media are handed off to verl 0.7 and 0.9's agent loop "

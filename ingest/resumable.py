@@ -155,8 +155,8 @@ class ResumableBatches:
 
         ensure_ray()
         if self._held_media is None:
-            config = self.config
-            self._held_media = HeldMedia(config.media_handoff_ahead or self.batch_size, config.media_handoff_held or 0)
+            ahead, held = self.config.media_handoff_ahead or self.batch_size, self.config.media_handoff_held or 0
+            self._held_media = HeldMedia(ahead, held)
         return self._held_media.begin(plan.context().files, units)
 
     def _held_media_blocks(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
