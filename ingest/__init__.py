@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ingest.arrow_numpy import check_arrow_numpy
 from ingest.lazy import lazy_exports
 from ingest.ray_version import check_ray
 
 check_ray()  # an untested Ray fails here, in one line naming both versions, not deep inside Ray Data
+check_arrow_numpy()  # so does a pyarrow that does not import beside the installed numpy
 
 # Public names -> the module that defines them, imported on first use: an actor process unpickling its class (say
 # ``actors.vision.DecodeActor``) then imports only its stage's modules, not the whole package (jinja2, the SFT

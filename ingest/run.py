@@ -21,8 +21,10 @@ from ingest.datasets.pools import ensure_ray
 from ingest.datasets.rl import build_dataset, cluster_layout
 from ingest.datasets.store import StoreTotals, store_totals
 from ingest.errors import IngestError, SourceError
+from ingest.media.pixels import cpu_resize
 from ingest.read.files import BadFile, conflicting_column, expand_files, inspect_files, printable_path, unify_schemas
 from ingest.stats import RunLedger, RunSummary
+from ingest.tokenizer.offline import resolve_model_path
 
 OUTPUT_ROWS_PER_FILE = 50_000
 logger = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class RunReport(RunSummary):
     files_quarantined_rows_unknown: int = 0
     rows_quarantined_in_files: int = 0
     layout: str | None = None  # the pools' layout and why (``Layout.describe``)
+    image_resize: str | None = None  # media runs: how the CPU vision actors resize images (``cpu_resize``)
     # what the cluster's object store spilled to disk and restored during the run; None when Ray did not say
     object_store: StoreTotals | None = None
 
@@ -137,6 +140,8 @@ class RunReport(RunSummary):
             lines.insert(at, f"quarantined files  {self.files_quarantined:>12,}{note})")
         if self.layout:
             lines.append(f"pool layout        {self.layout}")
+        if self.image_resize:
+            lines.append(f"CPU image resize   {self.image_resize}")
         spill = "unknown (the raylet did not answer)" if self.object_store is None else self.object_store.describe()
         lines.append(f"object store       {spill}")
         return "\n".join(lines)
@@ -232,6 +237,7 @@ def run_pipeline(
     writer = _PartWriter(output) if output else None
     summary = RunReport.of(summary, bad_files)  # rows of quarantined files count as rows in and quarantined
     summary.layout = layout.describe()
+    summary.image_resize = cpu_resize(resolve_model_path(processor)) if processor is not None else None
     try:
         for batch in ds.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
             if summary.time_to_first_batch_s is None:

@@ -243,8 +243,10 @@ def test_small_cluster_one_pool_in_log_and_summary_and_explicit_sizes_win(
         logged = [line for line in cli.stderr.splitlines() if "media layout:" in line]
         assert len(logged) == 1 and "one-pool (2 CPUs <= 4" in logged[0], cli.stderr[-3000:]
         assert "pool layout        one-pool" in cli.stdout
+        assert "CPU image resize   the C resize" in cli.stdout
         summary = json.loads(summary_path.read_text())
         assert summary["layout"].startswith("one-pool (2 CPUs") and summary["accounted"]
+        assert summary["image_resize"].startswith("the C resize")
         text = _on_cluster(port, env, geo3k_files, model_dir, [{"text_rows": True}], variety_files)[0]
         assert text["tokenizer_pool_max_size"] == 1 and text["layout"].startswith("text (2 CPUs: up to 1 ")
         explicit = _on_cluster(

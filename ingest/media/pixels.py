@@ -39,6 +39,17 @@ UPLOAD_STAGING = ReusedBuffers(allocate=pinned_or_pageable)  # a block's pixels 
 PIXEL_VALUES = ReusedBuffers(keep=192, slack=1.0)
 
 
+def cpu_resize(processor_dir: str | Path) -> str:
+    """How this install's CPU vision actors resize images for the processor at ``processor_dir``: the C resize, or
+    torch's kernel where it was not built (the same pixels; each actor then imports torch), or the processor's own
+    code for options not implemented here. pip shows no build output, so the run summary says which."""
+    if not ImagePixels.supports(image_processor_config(processor_dir)):
+        return "the processor's own (transformers): its options are not the Qwen2-VL ones implemented here"
+    if _resize is not None:
+        return "the C resize (ingest.media._resize)"
+    return "torch's kernel: the C resize was not built at install (no C compiler or Python headers)"
+
+
 @dataclass(frozen=True)
 class ImagePixels:
     """The pixel side of a Qwen2-VL image processor, read from ``preprocessor_config.json``."""

@@ -4,6 +4,8 @@ buffers for device patches and for the consumer's ``pixel_values``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -92,6 +94,26 @@ def test_cpu_path_without_the_compiled_resize_gives_the_same_patches(model_dir, 
     assert isinstance(patches, torch.Tensor)
     fallback = [record.as_py() for record in stage._image_inputs([[rgb] for rgb in rgbs], pa.chunked_array([grids]))[0]]
     assert fallback == compiled
+
+
+def test_the_run_summary_says_which_cpu_resize_the_vision_actors_use(model_dir, tmp_path, monkeypatch):
+    # pip shows no build output: without this line a build that lost its C resize is seen only as a slower start
+    import json
+
+    from ingest.media import pixels as pixel_ops
+    from ingest.run import RunReport
+
+    assert pixel_ops.cpu_resize(model_dir).startswith("the C resize")
+    report = RunReport(image_resize=pixel_ops.cpu_resize(model_dir))
+    assert "CPU image resize   the C resize (ingest.media._resize)" in report.format()
+    monkeypatch.setattr(pixel_ops, "_resize", None)
+    assert pixel_ops.cpu_resize(model_dir).startswith("torch's kernel: the C resize was not built")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    (other / "preprocessor_config.json").write_text(json.dumps({**config, "do_normalize": False}))
+    assert pixel_ops.cpu_resize(other).startswith("the processor's own")
+    assert "CPU image resize" not in RunReport().format()  # text runs resize nothing
 
 
 def test_device_resize_path_runs_on_cpu_within_the_stated_tolerance(model_dir):
