@@ -14,11 +14,16 @@ ORACLES := .oracle/.installed .oracle-0.6/.installed .oracle-0.7/.installed .ora
 # the checkout's own (at install, and before each test run for the files changed since).
 BYTECODE := $(PY) -m compileall -q ingest actors tests tools
 
+# pip shows no build output, so a build that found no C compiler says so here (and the run summary says it too)
+NO_C_RESIZE := note: the C image resize was not built (no C compiler or Python headers); the CPU vision actors use \
+torch's kernel: the same pixels, a slower start
+
 $(STAMP): requirements/main.txt requirements/test.txt requirements/video.txt pyproject.toml ingest/media/_resize.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements/main.txt -r requirements/test.txt
 	$(PIP) install -q --no-deps -e .
+	@$(PY) -c 'import ingest.media._resize' 2>/dev/null || echo "$(NO_C_RESIZE)"
 	$(BYTECODE)
 	touch $@
 
@@ -107,6 +112,8 @@ lint: $(STAMP)
 wheel: $(STAMP)
 	rm -rf dist
 	$(PY) -m build --outdir dist .
+	@$(PY) -c 'import glob, sys, zipfile; sys.exit(not any(n.startswith("ingest/media/_resize.") and n.endswith(".so") \
+	  for n in zipfile.ZipFile(glob.glob("dist/*.whl")[0]).namelist()))' || echo "$(NO_C_RESIZE)"
 
 bench: $(STAMP) .oracle/.installed
 	$(PY) -m ingest bench text --rows 20000 200000

@@ -72,19 +72,36 @@ def test_real_hdfs(ray_session, model_dir, variety_files, local_batches):
     assert_same_batches(collect(build_dataset(files, model_dir, CONFIG)), local_batches)
 
 
-def test_s3_without_s3fs_names_the_extra(tmp_path):
-    """s3fs is the ``[s3]`` extra: without it an s3:// path is a one-line error naming the extra, not fsspec's
-    ImportError from deep inside the listing."""
+def test_s3_without_s3fs_reads_through_pyarrow_the_same_rows(model_dir, s3_endpoint, local_batches, tmp_path):
+    """Where s3fs is not installed (it needs botocore, which caps python-dateutil below 3; verl 0.9's environment has
+    4), s3:// is read by pyarrow's own S3 filesystem with the same storage options: the same rows, through a cluster
+    whose every process lacks s3fs. An option only s3fs has is refused by name."""
     import subprocess
     import sys
+
+    import torch
 
     blocker = tmp_path / "blocker"
     blocker.mkdir()
     (blocker / "s3fs.py").write_text("raise ImportError('s3fs is not installed')\n")
-    code = (
-        "from ingest import SourceError\nfrom ingest.read.files import expand_files\n"
-        "try:\n    expand_files(['s3://bucket/prompts/'], {})\nexcept SourceError as e:\n    print(e)\n"
-    )
+    out = tmp_path / "batches.pt"
+    code = f"""
+import ray, torch
+from ingest import SourceError, build_dataset
+from ingest.read.files import filesystem_for
+from tests.support.batches import collect
+options = {s3_endpoint!r}
+assert type(filesystem_for("s3://prompts", options)).__name__ == "ArrowFSWrapper"
+try:
+    filesystem_for("s3://prompts", {{**options, "config_kwargs": {{}}}})
+except SourceError as e:
+    print("refused:", e)
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+config = {{**{CONFIG!r}, "storage_options": options}}
+torch.save(collect(build_dataset("s3://prompts/gsm8k/", {model_dir!r}, config)), {str(out)!r})
+"""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.getcwd()])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert "pip install 'ray-ingest[s3]'" in done.stdout and "s3://bucket/prompts/" in done.stdout, done
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: file s3://prompts: storage_options ['config_kwargs'] need s3fs" in done.stdout, done.stdout
+    assert_same_batches(torch.load(out, weights_only=False), local_batches)

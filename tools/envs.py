@@ -2,8 +2,9 @@
 
 For each ``requirements/envs/<name>.txt`` (a verl release with the versions its own images or setup.py pin):
 1. a venv ``.envs/<name>`` gets that file installed, as a user's verl environment would be;
-2. this repository's wheel goes in with plain ``pip install``; every package the venv had keeps its version, or the
-   entry fails (pip's report names what the wheel would have changed);
+2. ray-ingest goes in by the README's install lines, as written (the environment's versions as constraints, every
+   extra; one entry from a copy of the clone, the others from this repository's wheel); every package the venv had
+   keeps its version, or the entry fails (pip's refusal names the conflict);
 3. that release's parity tests, its trainer code with ``VerlDataLoader``, ``python -m ingest.verl.main_ppo`` and,
    where the release has an agent loop, the media hand-off against it run in the venv, from a copy of ``tests/`` and
    ``tools/`` without ``ingest/`` (so the wheel is what they import), with the venv's own verl as the oracle
@@ -52,6 +53,11 @@ TESTS = {
     "verl-0.7": ["tests/test_parity_verl07.py", HANDOFF],
     "verl-0.9": ["tests/test_parity_verl09.py", HANDOFF, V1_HANDOFF],
 }
+# The README's install block (README_INSTALL's fenced block) is what each entry runs, with every extra a user adds;
+# one entry installs from a copy of the clone, the others from the wheel
+README_INSTALL = "### Install into your verl environment"
+EXTRAS = "[verl,s3]"
+CLONE_FORM_ENTRY = "verl-0.5"
 # the tier's pytest selection: "full" runs the modules whole, "ci" the tests marked `matrix` in them
 TIERS = {"full": [], "ci": ["-m", "matrix"]}
 
@@ -109,12 +115,45 @@ def user_environment(name: str, log: TextIO | None = None) -> tuple[Path, dict[s
     return python, versions
 
 
-def install_wheel(python: Path, wheel: Path, before: dict[str, str], log: TextIO | None = None) -> list[str]:
-    """Install ``wheel`` as a user would (plain pip, dependencies resolved); the packages whose version it changed."""
-    report = python.parent.parent / "wheel-install.json"
-    run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"], log)
-    run(pip(python, "install", "-q", "--report", report, wheel), log)
+def readme_install_lines() -> list[str]:
+    """The README's install commands, as a user types them: the environment's versions as constraints, the install
+    from a clone, the install from a wheel (comments dropped)."""
+    text = (ROOT / "README.md").read_text().split(README_INSTALL, 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def copy_clone(dest: Path) -> Path:
+    """This repository's tracked files at ``dest``: what a user's clone holds (pip builds in the folder it installs)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    listed = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], check=True, capture_output=True, text=True)
+    for name in filter(None, listed.stdout.split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def install_wheel(name: str, python: Path, wheel: Path, before: dict[str, str], log: TextIO | None = None) -> list[str]:
+    """Install ray-ingest as the README says, its lines run as written with the venv's pip first on PATH and every
+    extra a user adds (``EXTRAS``): the environment's versions as constraints (pip keeps each or refuses, and a refusal
+    fails the entry with pip's reason in its log), then from a copy of the clone (``CLONE_FORM_ENTRY``) or from the
+    wheel. The packages whose version it changed."""
+    freeze, from_clone, from_wheel = readme_install_lines()
+    venv = python.parent.parent
+    run([python, "-m", "pip", "uninstall", "-q", "-y", "ray-ingest"], log)  # a kept venv's, not the user's
+    if name == CLONE_FORM_ENTRY:
+        where, line = copy_clone(venv / "clone"), from_clone
+    else:
+        where, line = venv / "wheel-install", from_wheel
+        (where / "dist").mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, where / "dist" / wheel.name)
+    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "PIP_NO_CACHE_DIR": "1"}
+    for command in (freeze, line.replace("[verl]", EXTRAS)):
+        run(["bash", "-c", command], log, cwd=where, env=env)
     after = installed(python)
+    if "ray-ingest" not in after:
+        raise subprocess.CalledProcessError(1, ["bash", "-c", line, "(ray-ingest not installed)"])
     return [f"{p} {v} -> {after.get(p, 'removed')}" for p, v in sorted(before.items()) if after.get(p) != v]
 
 
@@ -159,7 +198,7 @@ def prepare(name: str, wheel: Path, log: TextIO | None = None) -> Prepared:
     try:
         entry.python, before = user_environment(name, log)
         entry.built_s = time.monotonic() - started
-        entry.changed = install_wheel(entry.python, wheel, before, log)
+        entry.changed = install_wheel(name, entry.python, wheel, before, log)
         if not entry.changed:
             install_test_tools(entry.python, log)
     except subprocess.CalledProcessError as exc:

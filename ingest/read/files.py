@@ -2,7 +2,8 @@
 
 Everything goes through fsspec, so ``storage_options`` are fsspec's (``key``, ``secret``,
 ``client_kwargs={"endpoint_url": ...}`` for s3fs; ``host``/``port``/``user`` for HDFS). Local paths use pyarrow's
-native reader. Nothing is copied to local disk: Parquet is read by byte ranges.
+native reader, and so does ``s3://`` where s3fs is not installed. Nothing is copied to local disk: Parquet is read
+by byte ranges.
 """
 
 from __future__ import annotations
@@ -28,18 +29,56 @@ def protocol_of(path: str) -> str:
 
 
 def filesystem_for(path: str, storage_options: dict | None = None) -> fsspec.AbstractFileSystem:
-    """The fsspec filesystem for ``path``, with options from the URL too (host:port for (web)hdfs)."""
+    """The fsspec filesystem for ``path``, with options from the URL too (host:port for (web)hdfs). ``s3://`` goes
+    through s3fs where it is installed, else through pyarrow's own S3 filesystem (``pyarrow_s3``)."""
     if protocol_of(path) == "s3a":
         path = "s3" + path[3:]
     try:
         fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    except ImportError as missing:  # s3fs is the [s3] extra: it caps botocore and python-dateutil where it goes
-        extra = " (pip install 'ray-ingest[s3]')" if protocol_of(path) == "s3" else ""
+    except ImportError as missing:
+        if protocol_of(path) == "s3":
+            return pyarrow_s3(path, storage_options)
         raise SourceError(
-            f"reading {protocol_of(path)}:// paths needs a package this environment lacks{extra}: {missing}",
+            f"reading {protocol_of(path)}:// paths needs a package this environment lacks: {missing}",
             file=printable_path(path),
         ) from None
     return fs
+
+
+# s3fs's storage options -> pyarrow.fs.S3FileSystem's arguments (client_kwargs' endpoint_url and region_name too)
+PYARROW_S3_OPTIONS = {
+    "key": "access_key",
+    "secret": "secret_key",
+    "token": "session_token",
+    "anon": "anonymous",
+    "region_name": "region",
+}
+
+
+def pyarrow_s3(path: str, storage_options: dict | None = None) -> fsspec.AbstractFileSystem:
+    """``s3://`` through pyarrow's own S3 filesystem, for environments without s3fs: s3fs needs botocore, which caps
+    python-dateutil below 3 (verl 0.9's environment has 4), so installing it would change the user's environment.
+    Takes s3fs's options for what both clients have; any other is refused by name."""
+    from fsspec.implementations.arrow import ArrowFSWrapper
+    from pyarrow.fs import S3FileSystem
+
+    options = dict(storage_options or {})
+    client = dict(options.pop("client_kwargs", None) or {})
+    endpoint = client.pop("endpoint_url", None) or options.pop("endpoint_url", None)
+    options.update(client)
+    unknown = sorted(set(options) - set(PYARROW_S3_OPTIONS))
+    if unknown:
+        raise SourceError(
+            f"storage_options {unknown} need s3fs, which is not installed (pip install s3fs: its botocore caps "
+            "python-dateutil below 3); without it s3:// is read by pyarrow, which takes key, secret, token, anon, "
+            "region_name and client_kwargs' endpoint_url",
+            file=printable_path(path),
+        )
+    kwargs = {PYARROW_S3_OPTIONS[name]: value for name, value in options.items()}
+    if endpoint:
+        scheme, _, host = endpoint.partition("://")
+        kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+    return ArrowFSWrapper(S3FileSystem(**kwargs))
 
 
 def _qualify(entry: str, protocol: str, found: str) -> str:
