@@ -44,6 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench_handoff(
             rows=(args.rows or [2000])[0],
             runs=args.runs,
+            batch_size=args.batch_size,
             work_dir=args.work_dir,
             workload=args.workload,
             paths=tuple(args.path),
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--skip-verl", action="store_true")
     bench.add_argument("--runs", type=int, default=1, help="handoff only: runs of both sides, one after another")
+    bench.add_argument(
+        "--batch-size", type=int, default=128, help="handoff only: prompts per step (each side holds a step's samples)"
+    )
     bench.add_argument(
         "--workload",
         default="geo3k",

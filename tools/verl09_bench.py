@@ -26,6 +26,9 @@ from tools.session import cache_dir, machine
 
 ROW_FORMAT = "verl-0.9"  # the default; any format of RAW_PROMPT_FORMATS, each against its oracle
 SAMPLE_EVERY_S = 0.2
+# PSS is read every tenth sample: a smaps_rollup read walks the page tables of a process's whole mapping (a Ray worker
+# maps the object store), and at every sample it took most of a core from the 2-core VM being measured
+PSS_EVERY = 10
 MIB = 1 << 20
 
 
@@ -52,12 +55,15 @@ class TreePss(threading.Thread):
     def run(self) -> None:
         import psutil
 
+        sample = 0
         while not self._halt.is_set():
             try:
                 children = psutil.Process(self.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 return
-            self.peak = max(self.peak, _pss(self.pid) + sum(_pss(p.pid) for p in children))
+            if sample % PSS_EVERY == 0:
+                self.peak = max(self.peak, _pss(self.pid) + sum(_pss(p.pid) for p in children))
+            sample += 1
             for process in children:
                 try:
                     title, times = _title(process.cmdline()), process.cpu_times()
