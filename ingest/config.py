@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,6 +52,7 @@ def installed_verl_version() -> str | None:
 _DATASETS_TURNING = (2, 19)
 
 
+@functools.cache  # the installed release does not change under a process; reading its metadata costs milliseconds
 def datasets_turns_images() -> bool:
     """Whether HF datasets' ``Image()`` decode, as installed here, turns an image by its EXIF Orientation (2.19 and
     later; where datasets is not installed, the rule of those releases)."""

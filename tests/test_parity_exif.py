@@ -76,4 +76,8 @@ def test_the_installed_datasets_decides_whether_images_turn(monkeypatch, install
         return installed
 
     monkeypatch.setattr(metadata, "version", version)
-    assert datasets_turns_images() is turns
+    datasets_turns_images.cache_clear()  # read once per process: the installed release does not change under it
+    try:
+        assert datasets_turns_images() is turns
+    finally:
+        datasets_turns_images.cache_clear()
