@@ -134,7 +134,9 @@ def copy_clone(dest: Path) -> Path:
     return dest
 
 
-def install_wheel(name: str, python: Path, wheel: Path, before: dict[str, str], log: TextIO | None = None) -> list[str]:
+def install_as_readme(
+    name: str, python: Path, wheel: Path, before: dict[str, str], log: TextIO | None = None
+) -> list[str]:
     """Install ray-ingest as the README says, its lines run as written with the venv's pip first on PATH and every
     extra a user adds (``EXTRAS``): the environment's versions as constraints (pip keeps each or refuses, and a refusal
     fails the entry with pip's reason in its log), then from a copy of the clone (``CLONE_FORM_ENTRY``) or from the
@@ -146,7 +148,8 @@ def install_wheel(name: str, python: Path, wheel: Path, before: dict[str, str], 
         where, line = copy_clone(venv / "clone"), from_clone
     else:
         where, line = venv / "wheel-install", from_wheel
-        (where / "dist").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(where, ignore_errors=True)  # a kept venv's earlier wheel would be listed too
+        (where / "dist").mkdir(parents=True)
         shutil.copy(wheel, where / "dist" / wheel.name)
     env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "PIP_NO_CACHE_DIR": "1"}
     for command in (freeze, line.replace("[verl]", EXTRAS)):
@@ -198,7 +201,7 @@ def prepare(name: str, wheel: Path, log: TextIO | None = None) -> Prepared:
     try:
         entry.python, before = user_environment(name, log)
         entry.built_s = time.monotonic() - started
-        entry.changed = install_wheel(name, entry.python, wheel, before, log)
+        entry.changed = install_as_readme(name, entry.python, wheel, before, log)
         if not entry.changed:
             install_test_tools(entry.python, log)
     except subprocess.CalledProcessError as exc:
