@@ -24,7 +24,14 @@ from ingest.rollout_media import (
     parse_media_uri,
 )
 from ingest.rollout_media_kernels import kernels_serve_installed_transformers
-from ingest.verl.rollout_media import fetch_payload, fetch_payloads, handed_off, sample_media
+from ingest.verl.rollout_media import (
+    batch_raw_prompts,
+    fetch_payload,
+    fetch_payloads,
+    handed_off,
+    prefetch,
+    sample_media,
+)
 from tests.support.tiers import first_in_matrix, matrix, slow
 from tools.oracle import oracle_available, run_verl
 from tools.samples import rollout_model_dir
@@ -316,6 +323,60 @@ def test_a_payload_lost_from_the_object_store_names_its_file_and_row_alone(ray_s
     with pytest.raises(RuntimeError, match=r"lost from the object store; rows: f\.parquet: row 6 \("):
         fetch_payloads(name, list(entries))
     assert [p["key"] for p in fetch_payloads(name, ["lost-a", "lost-c"])] == ["lost-a", "lost-c"]  # the others
+    ray.kill(store)
+
+
+class _CountingStore(_FixedStore):
+    """``_FixedStore`` that counts its lookups."""
+
+    def __init__(self, entries: dict):
+        super().__init__(entries)
+        self.lookups: list[list[str]] = []
+
+    def lookup_many(self, keys: list[str]) -> list:
+        self.lookups.append(list(keys))
+        return super().lookup_many(keys)
+
+    def asked(self) -> list[list[str]]:
+        return self.lookups
+
+    def released_rows(self, keys: list[str]) -> list:
+        return [None] * len(keys)  # none released: a key it lacks is from another run
+
+
+def test_a_v1_workers_batch_is_fetched_in_one_lookup_before_its_prompts_sessions(ray_session):
+    """verl's v1 worker gets a step's prompts as one ``TensorDict`` (its legacy worker a ``DataProto``) and starts each
+    prompt's sessions in the background: the batch's payloads come in one lookup, and each session finds its own in
+    this process's cache. (Before, the v1 batch was not recognised: one lookup per prompt, each a call on the store.)"""
+    import ray
+    import torch
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    from ingest.rollout_media import NAMESPACE
+
+    name, keys = "ingest-media-v1-batch-test", [f"v1-{i}" for i in range(3)]
+    kept = ray.put([encode_payload({"key": key, "images": [], "videos": None}) for key in keys])
+    entries = {key: ([kept], i, "f.parquet", i) for i, key in enumerate(keys)}
+    store = ray.remote(_CountingStore).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(entries)
+    messages = [
+        [{"role": "user", "content": [{"type": "image", "image": media_uri(name, k, "image", 0)}]}] for k in keys
+    ]
+    batch = TensorDict({"input_ids": torch.zeros(3, 2)}, batch_size=[3])
+    batch["raw_prompt"] = NonTensorStack(*(NonTensorData(m) for m in messages))
+
+    class Proto:  # the legacy worker's DataProto: its non-tensor columns
+        non_tensor_batch = {"raw_prompt": np.array(messages + [None], dtype=object)[:3]}
+
+    assert list(batch_raw_prompts(batch)) == messages == list(batch_raw_prompts(Proto()))
+    assert batch_raw_prompts(TensorDict({}, batch_size=[0])) is None
+    prefetch(batch_raw_prompts(batch))
+    assert [fetch_payload(name, key)["key"] for key in keys] == keys
+    assert ray.get(store.asked.remote()) == [keys]  # one lookup, the sessions served from the cache
+    gone = batch_raw_prompts(batch)[:1] + [[{"role": "user", "content": [{"type": "image", "image": media_uri(
+        name, "v1-gone", "image", 0)}]}]]  # fmt: skip
+    prefetch(gone)  # a payload the store no longer has fails its own prompt, not the batch's prefetch
+    with pytest.raises(LookupError, match="v1-gone"):
+        fetch_payload(name, "v1-gone")
     ray.kill(store)
 
 

@@ -101,8 +101,9 @@ class _HandedOffInputsMixin:
         register_agent_loops()
 
     async def generate_sequences(self, batch, *args, **kwargs):
-        # the batch's payloads in one call per store, before its samples ask for them one by one
-        raw_prompt = getattr(batch, "non_tensor_batch", {}).get("raw_prompt")
+        # the batch's payloads in one call per store, before its samples ask for them one by one (the v1 worker
+        # starts its prompts' sessions in the background: they find the payloads fetched)
+        raw_prompt = rollout_media.batch_raw_prompts(batch)
         if raw_prompt is not None:
             rollout_media.prefetch(raw_prompt)
         return await super().generate_sequences(batch, *args, **kwargs)

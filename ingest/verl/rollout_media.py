@@ -122,9 +122,23 @@ def _is_lost(ref: Any) -> bool:
     return False
 
 
+def batch_raw_prompts(batch: Any) -> Iterable[Any] | None:
+    """A worker's batch's ``raw_prompt`` messages: a ``DataProto``'s non-tensor column (verl's legacy worker) or a
+    ``TensorDict``'s non-tensor stack (its v1 worker, which gets each step's prompts for it as one batch too)."""
+    non_tensor = getattr(batch, "non_tensor_batch", None)
+    if non_tensor is not None:
+        return non_tensor.get("raw_prompt")
+    if not hasattr(batch, "keys") or "raw_prompt" not in batch.keys():
+        return None
+    raw = batch.get("raw_prompt")
+    return raw.tolist() if hasattr(raw, "tolist") else raw
+
+
 def prefetch(raw_prompts: Iterable[Any]) -> None:
     """Fetches the payloads of a batch's prompts (its ``raw_prompt`` messages) in one call per store, so that its
-    samples find them in this process's cache (at most ``PROCESS_CACHE_PROMPTS`` of them)."""
+    samples find them in this process's cache (at most ``PROCESS_CACHE_PROMPTS`` of them). Best effort: where one
+    payload cannot be had (released, lost), each prompt fetches its own, and only that prompt fails, with its error
+    (verl's v1 worker then tags that prompt alone ``failure``)."""
     by_store: dict[str, dict[str, None]] = {}
     for messages in raw_prompts:
         found = prompt_media_key(messages)
@@ -132,7 +146,10 @@ def prefetch(raw_prompts: Iterable[Any]) -> None:
             by_store.setdefault(found[0], {})[found[1]] = None
     for store, keys in by_store.items():
         keys = list(keys)[-PROCESS_CACHE_PROMPTS:]
-        fetch_payloads(store, keys)
+        try:
+            fetch_payloads(store, keys)
+        except (LookupError, RuntimeError):
+            continue
 
 
 def prompt_media(messages: Iterable[Mapping]) -> dict | None:
