@@ -78,7 +78,14 @@ def pyarrow_s3(path: str, storage_options: dict | None = None) -> fsspec.Abstrac
     if endpoint:
         scheme, _, host = endpoint.partition("://")
         kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
-    return ArrowFSWrapper(S3FileSystem(**kwargs))
+    # one client per options, as fsspec keeps one s3fs instance per options: each file a read opens asks for it
+    cached = repr(sorted(kwargs.items()))
+    if cached not in _PYARROW_S3:
+        _PYARROW_S3[cached] = ArrowFSWrapper(S3FileSystem(**kwargs))
+    return _PYARROW_S3[cached]
+
+
+_PYARROW_S3: dict[str, fsspec.AbstractFileSystem] = {}
 
 
 def _qualify(entry: str, protocol: str, found: str) -> str:
