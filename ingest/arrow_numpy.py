@@ -4,20 +4,12 @@ inside whatever imported it first. This names both versions and the fix in one l
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from ingest.errors import IngestError
+from ingest.installed import installed_version
 
 
 class BrokenNeighboursError(IngestError):
     """Two packages this one needs are installed in versions that do not import together."""
-
-
-def installed_version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "none"
 
 
 def check_arrow_numpy() -> None:
@@ -25,12 +17,12 @@ def check_arrow_numpy() -> None:
     2 is tried: every pyarrow this package accepts imports with NumPy 2, and the import would cost each process that
     imports the package (a CLI command, a Ray worker) its time whether or not it reads Arrow."""
     numpy = installed_version("numpy")
-    if numpy == "none" or not numpy.split(".")[0].isdigit() or int(numpy.split(".")[0]) >= 2:
+    if numpy is None or not numpy.split(".")[0].isdigit() or int(numpy.split(".")[0]) >= 2:
         return
     try:
         import pyarrow  # noqa: F401
     except ImportError as failed:
-        pyarrow = installed_version("pyarrow")
+        pyarrow = installed_version("pyarrow") or "none"
         older = f"pyarrow<{pyarrow.split('.')[0]}" if pyarrow.split(".")[0].isdigit() else "an older pyarrow"
         raise BrokenNeighboursError(
             f"pyarrow {pyarrow} does not import beside numpy {numpy} ({failed}); this environment was broken before "

@@ -40,12 +40,9 @@ _RELEASES_APART = {
 
 def installed_verl_version() -> str | None:
     """The version of the verl package this process would import; None where there is none."""
-    from importlib.metadata import PackageNotFoundError, version
+    from ingest.installed import installed_version
 
-    try:
-        return version("verl")
-    except PackageNotFoundError:
-        return None
+    return installed_version("verl")
 
 
 # the first HF datasets whose Image() decode turns an image by its EXIF Orientation (ImageOps.exif_transpose)
@@ -56,11 +53,11 @@ _DATASETS_TURNING = (2, 19)
 def datasets_turns_images() -> bool:
     """Whether HF datasets' ``Image()`` decode, as installed here, turns an image by its EXIF Orientation (2.19 and
     later; where datasets is not installed, the rule of those releases)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from ingest.installed import installed_version
 
     try:
-        major, minor = (int(part) for part in version("datasets").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
+        major, minor = (int(part) for part in (installed_version("datasets") or "").split(".")[:2])
+    except ValueError:  # not installed, or a version that is not numbers
         return True
     return (major, minor) >= _DATASETS_TURNING
 

@@ -33,12 +33,9 @@ def installed_ray() -> str:
     """The installed Ray's version, without importing Ray when it is not imported yet (this runs at package import)."""
     if "ray" in sys.modules:
         return sys.modules["ray"].__version__
-    from importlib.metadata import PackageNotFoundError, version
+    from ingest.installed import installed_version
 
-    try:
-        return version("ray")
-    except PackageNotFoundError:
-        return "none"
+    return installed_version("ray") or "none"
 
 
 def check_ray(version: str | None = None) -> None:

@@ -42,11 +42,11 @@ KERNEL_TRANSFORMERS_MAJOR = 5
 def kernels_serve_installed_transformers() -> bool:
     """Whether the installed transformers' processors give the outputs the kernels make (read from its metadata, not
     imported: the kernels' actors never import it)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from ingest.installed import installed_version
 
     try:
-        return int(version("transformers").split(".")[0]) >= KERNEL_TRANSFORMERS_MAJOR
-    except (PackageNotFoundError, ValueError):
+        return int((installed_version("transformers") or "").split(".")[0]) >= KERNEL_TRANSFORMERS_MAJOR
+    except ValueError:  # not installed, or a version that is not numbers
         return False
 
 
