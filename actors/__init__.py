@@ -13,7 +13,6 @@ from ingest.lazy import lazy_exports
 _EXPORTS = {
     "DecodeActor": "actors.vision",
     "SFTRenderActor": "actors.sft",
-    "SFTVisionActor": "actors.sft",
     "TokenizeActor": "actors.tokenize",
     "VisionActor": "actors.vision",
 }
@@ -21,13 +20,12 @@ _EXPORTS = {
 __all__ = [
     "DecodeActor",
     "SFTRenderActor",
-    "SFTVisionActor",
     "TokenizeActor",
     "VisionActor",
 ]
 
 if TYPE_CHECKING:
-    from actors.sft import SFTRenderActor, SFTVisionActor
+    from actors.sft import SFTRenderActor
     from actors.tokenize import TokenizeActor
     from actors.vision import DecodeActor, VisionActor
 

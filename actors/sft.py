@@ -1,4 +1,4 @@
-"""SFT actors: the render actor (renderer loaded once; reads are fused into it) and the SFT vision actor.
+"""The SFT render actor: renderers' renderer built once (reads are fused into it).
 
 Models reach the actors as paths or hub names, never as pickled objects. A tokenizer or processor object given on the
 driver arrives as a ``SavedModel``: the directory the driver saved it to once, which an actor on another node (where
@@ -18,10 +18,9 @@ import pyarrow as pa
 
 from ingest.config import DataConfig, StageContext
 from ingest.memory import use_arrow_memory_pool
-from ingest.sft.render import create_renderer
-from ingest.stages.sft import SFTRenderStage, SFTVisionStage
+from ingest.sft.engine import SampleBuilder
+from ingest.stages.sft import SFTRenderStage
 from ingest.stats import stage_unit
-from ingest.tokenizer.chat import ChatTokenizer
 from ingest.tokenizer.offline import resolve_model_path
 
 SAVED_MODEL_MARKER = ".ray-ingest-saved-model"  # holds the digest of the directory's files
@@ -71,40 +70,37 @@ def _holds(path: Path, digest: str) -> bool:
 
 
 class SFTRenderActor:
+    """``tokenizer``: the directory (or hub name) the renderer's tokenizer loads from; a multimodal renderer loads its
+    processor from the same place (renderers' rule). ``renderer_config``: a renderers config."""
+
     def __init__(
         self,
         config: DataConfig,
         context: StageContext,
         tokenizer: str | SavedModel | None,
-        processor: str | SavedModel | None = None,
+        renderer_config: Any,
         role_to_mask: Callable | None = None,
         content_sft_roles: Collection[str] | None = None,
+        ensure_final_stop: bool = False,
         no_target: str = "drop",
     ):
+        from transformers import AutoTokenizer
+
         use_arrow_memory_pool(config.arrow_memory_pool)
-        tokenizer, processor = local_model_path(tokenizer), local_model_path(processor)
-        chat = ChatTokenizer(tokenizer, trust_remote_code=config.trust_remote_code)
-        renderer = create_renderer(chat, processor)  # the processor path: geometry from its JSON, no transformers
-        self.stage = SFTRenderStage(
-            renderer,
-            config,
-            context,
-            media=processor is not None,
+        path = resolve_model_path(local_model_path(tokenizer))
+        hf = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        build = SampleBuilder(
+            hf,
+            renderer_config,
             role_to_mask=role_to_mask,
             content_sft_roles=content_sft_roles,
-            no_target=no_target,
+            ensure_final_stop=ensure_final_stop,
+        )
+        self.stage = SFTRenderStage(
+            build, config, context, media=build.renderers.is_multimodal(build.renderer), no_target=no_target
         )
         self.ledger = context.ledger
         self.batch_size = config.tokenizer_batch_size
 
     def __call__(self, unit: pa.Table) -> Iterator[pa.Table]:
         return stage_unit(self.stage, unit, self.batch_size, self.ledger)
-
-
-class SFTVisionActor:
-    def __init__(self, config: DataConfig, context: StageContext, processor: str | SavedModel):
-        use_arrow_memory_pool(config.arrow_memory_pool)
-        self.stage = SFTVisionStage(resolve_model_path(local_model_path(processor)), config)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch)

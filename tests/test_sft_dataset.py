@@ -1,12 +1,13 @@
-"""The Ray Data SFT mode (``build_sft_dataset``): rows equal ``build_training_sample`` + ``shift_and_truncate``
-called directly and transformers' ``apply_chat_template``; loss masks; prompt + completion input; images through the
-vision pool; truncation at placeholder runs; packing; quarantine / strict; ledger counts; ``SFTCollate``. Real local
-Ray (the session fixture), small data."""
+"""The Ray Data SFT mode (``build_sft_dataset``): rows equal renderers' own ``build_training_sample`` +
+``shift_and_truncate`` called directly; prompt + completion input; images through renderers' Qwen3-VL renderer;
+truncation at placeholder runs; packing; quarantine / strict; ledger counts; ``SFTCollate`` and ``PrimeRLCollate``.
+Real local Ray (the session fixture), small data; the renderers are Qwen3's and Qwen3-VL's on offline tokenizers
+(``tools.qwen_families``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import functools
 import json
 import random
 import shutil
@@ -21,26 +22,14 @@ from ingest import BadRowError, SourceError
 from ingest.blocks import tensor_from_record
 from ingest.errors import find_ingest_error
 from ingest.rowformat.messages import split_media_placeholders
-from ingest.sft import (
-    PrimeRLCollate,
-    SFTCollate,
-    build_sft_dataset,
-    build_training_sample,
-    create_renderer,
-    shift_and_truncate,
-)
+from ingest.sft import PrimeRLCollate, SFTCollate, build_sft_dataset, shift_and_truncate
 from ingest.stats import RunLedger, RunSummary
-from tests.support.conversations import (
-    IM_END,
-    IMAGE_PAD,
-    TOOLS,
-    encoded_image,
-    expected_chatml_mask,
-    hf_chat_ids,
-    random_conversations,
-    random_text,
-)
+from tests.support.conversations import IM_END, IMAGE_PAD, TOOLS, encoded_image, random_conversations, random_text
 from tests.support.tiers import slow
+
+renderers = pytest.importorskip("renderers")
+from renderers import build_training_sample, create_renderer  # noqa: E402
+from renderers.configs import Qwen3RendererConfig, Qwen3VLRendererConfig  # noqa: E402
 
 BASE = {"shuffle": False}
 
@@ -55,8 +44,27 @@ def _rows(ds) -> list[dict]:
     return [row for batch in ds.iter_batches(batch_size=64, batch_format="pyarrow") for row in batch.to_pylist()]
 
 
-def _direct(renderer, messages, max_length=4096, **kwargs):
-    return shift_and_truncate(build_training_sample(renderer, messages, **kwargs), max_length)
+def _inline(messages: list[dict], images: list[bytes] | None) -> list[dict]:
+    """renderers' form of a row: the images column's values in the image parts that have none, in order."""
+    pending = iter(images or [])
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {**p, "image": next(pending)} if p.get("type") == "image" and p.get("image") is None else p
+                for p in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
+def _sample(renderer, messages, images=None, **kwargs):
+    return build_training_sample(renderer, _inline(messages, images), **kwargs)
+
+
+def _direct(renderer, messages, max_length=4096, images=None, **kwargs):
+    return shift_and_truncate(_sample(renderer, messages, images, **kwargs), max_length)
 
 
 def _assert_row_equals(row: dict, seq) -> None:
@@ -69,20 +77,47 @@ def _assert_row_equals(row: dict, seq) -> None:
 
 
 @pytest.fixture(scope="module")
-def text_renderer(model_dir):
-    return create_renderer(model_dir)
+def qwen3_dir(tmp_path_factory):
+    from tools.qwen_families import qwen_tokenizer_dir
+
+    return qwen_tokenizer_dir(tmp_path_factory.mktemp("qwen3") / "tokenizer", "qwen3")
 
 
 @pytest.fixture(scope="module")
-def vl_renderer(model_dir):
-    return create_renderer(model_dir, processor=model_dir)
+def vl_dir(tmp_path_factory):
+    from tools.qwen_families import qwen3_vl_sft_dir
+
+    return qwen3_vl_sft_dir(tmp_path_factory.mktemp("qwen3-vl") / "processor")
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(model_dir):
+def text_ds(qwen3_dir):
+    """``build_sft_dataset`` as a Qwen3 user calls it: the tokenizer directory and renderers' Qwen3 config."""
+    return functools.partial(_build, qwen3_dir, Qwen3RendererConfig())
+
+
+@pytest.fixture(scope="module")
+def vl_ds(vl_dir):
+    """``build_sft_dataset`` with the Qwen3-VL processor directory and renderers' Qwen3-VL config."""
+    return functools.partial(_build, vl_dir, Qwen3VLRendererConfig())
+
+
+def _build(model, renderer, files, config=None, **kwargs):
+    return build_sft_dataset(files, model, BASE if config is None else config, renderer=renderer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def text_renderer(qwen3_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return create_renderer(AutoTokenizer.from_pretrained(qwen3_dir), Qwen3RendererConfig())
+
+
+@pytest.fixture(scope="module")
+def vl_renderer(vl_dir):
+    from transformers import AutoTokenizer
+
+    return create_renderer(AutoTokenizer.from_pretrained(vl_dir), Qwen3VLRendererConfig())
 
 
 @pytest.fixture(scope="module")
@@ -104,22 +139,16 @@ def text_files(tmp_path_factory, text_conversations):
 # --- text ------------------------------------------------------------------------------------------------------------
 
 
-def test_text_rows_equal_direct_samples_and_apply_chat_template(
-    ray_session, model_dir, text_files, text_conversations, text_renderer, hf_tokenizer
-):
+def test_text_rows_equal_renderers_samples(ray_session, text_ds, text_files, text_conversations, text_renderer):
     ledger = RunLedger.remote()
     config = {**BASE, "read_rows_per_task": 20, "tokenizer_batch_size": 7}
-    rows = _rows(build_sft_dataset(text_files, model_dir, config, ledger=ledger))
+    rows = _rows(text_ds(text_files, config, ledger=ledger))
     assert len(rows) == len(text_conversations)
     assert set(rows[0]) == {"input_ids", "target_ids", "loss_mask", "seq_lens"}  # text: no media columns
     tools_seen = 0
     for row, messages in zip(rows, text_conversations, strict=True):
         _assert_row_equals(row, _direct(text_renderer, messages))
-        ids = hf_chat_ids(hf_tokenizer, messages)  # apply_chat_template(tokenize=True, add_generation_prompt=False)
-        assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
-        assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
-        assert row["seq_lens"] == [len(ids) - 1]
-        # (the mask oracle: after each <|im_start|>assistant\n header, up to and including its <|im_end|>)
+        # renderers' sampled mask: each assistant turn up to and including its <|im_end|>
         trained = [t for t, m in zip(row["target_ids"], row["loss_mask"], strict=True) if m]
         assert trained.count(IM_END) == sum(m["role"] == "assistant" for m in messages) and trained[-1] == IM_END
         tools_seen += any(m["role"] == "tool" for m in messages)
@@ -130,7 +159,7 @@ def test_text_rows_equal_direct_samples_and_apply_chat_template(
     assert counts["prompt_tokens"] == sum(len(r["input_ids"]) for r in rows)
 
 
-def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, text_renderer):
+def test_prompt_completion_and_json_columns(ray_session, text_ds, tmp_path, text_renderer):
     conversations = random_conversations(5, 12, tools=False)
     split = [max(i for i, m in enumerate(c) if m["role"] == "user") for c in conversations]  # prompt: up to last user
     lists = [{"prompt": c[: k + 1], "completion": c[k + 1 :]} for c, k in zip(conversations, split, strict=True)]
@@ -140,9 +169,9 @@ def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, te
     as_json = [{"messages": json.dumps(c, ensure_ascii=False)} for c in conversations]
     files = [_write(tmp_path / "lists.parquet", lists), _write(tmp_path / "strings.parquet", strings)]
     json_file = _write(tmp_path / "json.parquet", as_json)
-    got_lists = _rows(build_sft_dataset(files[0], model_dir, BASE))
-    got_strings = _rows(build_sft_dataset(files[1], model_dir, BASE))
-    got_json = _rows(build_sft_dataset(json_file, model_dir, BASE))
+    got_lists = _rows(text_ds(files[0]))
+    got_strings = _rows(text_ds(files[1]))
+    got_json = _rows(text_ds(json_file))
     for row, row_json, messages in zip(got_lists, got_json, conversations, strict=True):
         _assert_row_equals(row, _direct(text_renderer, messages))  # messages = prompt + completion
         assert row_json == row
@@ -152,15 +181,13 @@ def test_prompt_completion_and_json_columns(ray_session, model_dir, tmp_path, te
             {"role": "assistant", "content": source["completion"]},
         ]
         _assert_row_equals(row, _direct(text_renderer, messages))
-    with pytest.raises(ValueError, match="vision_pool_max_size"):  # build_dataset's fused layout only
-        build_sft_dataset(files[0], model_dir, {**BASE, "vision_pool_max_size": 0})
 
 
-def test_packing_seq_lens_and_collate(ray_session, model_dir, text_files, text_conversations, text_renderer):
+def test_packing_seq_lens_and_collate(ray_session, text_ds, text_files, text_conversations, text_renderer):
     lengths = [len(build_training_sample(text_renderer, m).token_ids) - 1 for m in text_conversations]
     budget = int(np.percentile(lengths, 80))  # some samples are cut at the budget, most are packed whole
     config = {**BASE, "sft_pack_token_budget": budget, "tokenizer_batch_size": 16, "read_rows_per_task": 16}
-    packed = _rows(build_sft_dataset(text_files, model_dir, config))
+    packed = _rows(text_ds(text_files, config))
     singles = [_direct(text_renderer, m, max_length=budget) for m in text_conversations]
     assert len(packed) < len(singles)
     assert sum(len(r["seq_lens"]) for r in packed) == len(singles)
@@ -175,7 +202,7 @@ def test_packing_seq_lens_and_collate(ray_session, model_dir, text_files, text_c
         assert member == {"input_ids": seq.inputs, "target_ids": seq.targets, "loss_mask": seq.loss_mask}
     assert any(len(s.inputs) == budget for s in singles)  # some samples were cut at the budget
 
-    ds = build_sft_dataset(text_files, model_dir, config)
+    ds = text_ds(text_files, config)
     batches = list(ds.iter_torch_batches(batch_size=4, collate_fn=SFTCollate(pad_token_id=-1, pad_to=budget)))
     assert sum(len(b["input_ids"]) for b in batches) == len(packed)
     batch, rows = batches[0], packed[:4]
@@ -231,11 +258,11 @@ def _bad_rows(image: bytes) -> tuple[list[dict], dict[int, str]]:
     return out, bad
 
 
-def test_bad_conversations_quarantine_strict_and_counts(ray_session, model_dir, tmp_path):
+def test_bad_conversations_quarantine_strict_and_counts(ray_session, vl_ds, tmp_path):
     rows, bad = _bad_rows(encoded_image(random.Random(3), "png"))
     path = _write(tmp_path / "bad.parquet", rows)
     ledger = RunLedger.remote()
-    out = _rows(build_sft_dataset(path, model_dir, BASE, ledger=ledger))
+    out = _rows(vl_ds(path, ledger=ledger))
     assert len(out) == len(rows) - len(bad) == 2
     counts = ray_session.get(ledger.get.remote())
     assert counts["rows_in"] == len(rows)
@@ -250,17 +277,19 @@ def test_bad_conversations_quarantine_strict_and_counts(ray_session, model_dir, 
         assert json.loads(record["original"])["messages"] == rows[record["row"]]["messages"]
 
     with pytest.raises(BadRowError) as info:
-        _rows(build_sft_dataset(path, model_dir, {**BASE, "on_bad_row": "raise"}))
+        _rows(vl_ds(path, {**BASE, "on_bad_row": "raise"}))
     err = info.value
     assert (err.file, err.row, err.column) == (path, 1, "messages") and "empty" in err.reason
     assert f"file {path}, row 1" in str(err)
 
 
-def test_cut_image_files_are_quarantined_before_the_vision_actor(ray_session, model_dir, tmp_path):
-    """Images whose header reads but whose file is cut short (a PNG, a JPEG) are bad rows of the render stage: the
-    SFT vision actor decodes them with no per-row quarantine, and a half-read file used to crash the run there."""
+def test_images_that_do_not_decode_are_quarantined_with_renderers_reason(ray_session, vl_ds, tmp_path):
+    """Images whose header reads but whose data do not decode (a PNG and a JPEG cut short, a JPEG with a stray
+    start-of-image marker mid-scan): renderers' decode refuses them, and the row is quarantined with its reason and
+    the images column, or raises under ``on_bad_row: raise``; the other rows are kept."""
     png, jpeg = encoded_image(random.Random(1), "png"), encoded_image(random.Random(2), "jpeg")
-    images = [png, png[: len(png) // 2], jpeg[: len(jpeg) - 400], jpeg]
+    stray = jpeg[: len(jpeg) // 2] + b"\xff\xd8\x00\x04\x00\x00" + jpeg[len(jpeg) // 2 :]
+    images = [png, png[: len(png) // 2], jpeg[: len(jpeg) - 400], jpeg, stray]
     rows = [
         {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
          "images": [{"bytes": data, "path": None}]}
@@ -268,36 +297,17 @@ def test_cut_image_files_are_quarantined_before_the_vision_actor(ray_session, mo
     ]  # fmt: skip
     path = _write(tmp_path / "cut.parquet", rows)
     ledger = RunLedger.remote()
-    out = _rows(build_sft_dataset(path, model_dir, BASE, processor=model_dir, ledger=ledger))
+    out = _rows(vl_ds(path, ledger=ledger))
     assert len(out) == 2
     counts = ray_session.get(ledger.get.remote())
-    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (4, 2, 2)
+    assert (counts["rows_in"], counts["rows_out"], counts["quarantined"]) == (5, 2, 3)
     records = ray_session.get(ledger.quarantine.remote())
-    assert [(r["row"], r["column"]) for r in records] == [(1, "images"), (2, "images")]
-    assert all(r["file"] == path and r["reason"].startswith("bad image: ") for r in records)
+    assert [(r["row"], r["column"]) for r in records] == [(1, "images"), (2, "images"), (4, "images")]
+    assert all(r["file"] == path and r["reason"].startswith("renderers: ") for r in records), records
     with pytest.raises(BadRowError) as info:
-        _rows(build_sft_dataset(path, model_dir, {**BASE, "on_bad_row": "raise"}, processor=model_dir))
-    assert (info.value.file, info.value.row, info.value.column) == (path, 1, "images")
-
-
-@pytest.mark.parametrize("policy", ["quarantine", "raise"])
-def test_image_that_fails_to_decode_in_the_vision_actor_names_its_sample(ray_session, model_dir, tmp_path, policy):
-    """A JPEG complete to its end marker (it passes the render stage's check) whose data do not decode (a stray
-    start-of-image marker mid-scan) fails in the SFT vision actor, in a packed row with other samples: one
-    ``BadRowError`` naming the sample's file and row, in both policies (it used to be a bare error from the actor)."""
-    jpeg = encoded_image(random.Random(2), "jpeg")
-    broken = jpeg[: len(jpeg) // 2] + b"\xff\xd8\x00\x04\x00\x00" + jpeg[len(jpeg) // 2 :]
-    rows = [
-        {"prompt": [{"role": "user", "content": f"<image>What is in picture {i}?"}], "completion": f"Shape {i}.",
-         "images": [{"bytes": data, "path": None}]}
-        for i, data in enumerate([jpeg, jpeg, broken, jpeg])
-    ]  # fmt: skip
-    path = _write(tmp_path / "broken.parquet", rows)
-    config = {**BASE, "on_bad_row": policy, "sft_pack_token_budget": 4096}
-    with pytest.raises(BadRowError) as info:
-        _rows(build_sft_dataset(path, model_dir, config, processor=model_dir))
+        _rows(vl_ds(path, {**BASE, "on_bad_row": "raise"}))
     err = find_ingest_error(info.value)
-    assert (err.file, err.row, err.column) == (path, 2, "images") and err.reason.startswith("bad image: OSError")
+    assert (err.file, err.row, err.column) == (path, 1, "images")
 
 
 # --- images ------------------------------------------------------------------------------------------------------
@@ -330,23 +340,6 @@ def _mm_rows(seed: int, n: int) -> tuple[list[dict], list[tuple[list[dict], list
     return rows, sources
 
 
-def _hf_messages(messages: list[dict], column: list[bytes]) -> list[dict]:
-    """For the processor's apply_chat_template: every image inline as PIL RGB (verl's RGB conversion)."""
-    from PIL import Image
-
-    pending = iter(column)
-    out = []
-    for message in messages:
-        parts = []
-        for part in message["content"]:
-            if part["type"] == "image":
-                data = part.get("image") or next(pending)
-                part = {"type": "image", "image": Image.open(io.BytesIO(data)).convert("RGB")}
-            parts.append(part)
-        out.append({**message, "content": parts})
-    return out
-
-
 def _media(row: dict, seq) -> None:
     data = (seq.multi_modal_data or {}).get("image")
     if data is None:
@@ -362,10 +355,7 @@ def _media(row: dict, seq) -> None:
     np.testing.assert_array_equal(tensor_from_record(row["image_grid_thw"]), grids)
 
 
-def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, tmp_path, vl_renderer):
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model_dir)
+def test_images_equal_renderers_samples(ray_session, vl_ds, tmp_path, vl_renderer):
     rows, sources = _mm_rows(1, 10)
     geo = [  # verl / geo3k layout: <image> markers in string content, HF Image() structs, a completion string
         {"prompt": [{"role": "user", "content": f"<image>Find x in figure {i}.{'<image>' * (i % 2)}"}],
@@ -374,28 +364,16 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
         for i in range(4)
     ]  # fmt: skip
     files = [_write(tmp_path / "mm.parquet", rows, row_group_size=4), _write(tmp_path / "geo.parquet", geo)]
-    config = {**BASE, "vision_batch_size": 3}
     ledger = RunLedger.remote()
-    got = _rows(build_sft_dataset(files[0], model_dir, config, processor=model_dir, ledger=ledger))
+    got = _rows(vl_ds(files[0], ledger=ledger))
     assert len(got) == len(rows)
     images_seen = 0
     for row, (messages, column) in zip(got, sources, strict=True):
-        seq = _direct(vl_renderer, messages, images=column or None)
+        seq = _direct(vl_renderer, messages, images=column)
         _assert_row_equals(row, seq)
         _media(row, seq)
         assert row["dropped_media"] == 0 and row["video_placeholders"] is None
-        expected = processor.apply_chat_template(
-            _hf_messages(messages, column),
-            tokenize=True,
-            return_dict=True,
-            add_generation_prompt=False,
-            return_tensors="np",
-        )
-        ids = expected["input_ids"][0].tolist()
-        assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
-        assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
         if seq.multi_modal_data:
-            assert row["mm_token_type_ids"] == expected["mm_token_type_ids"][0].tolist()[:-1]
             images_seen += len(seq.multi_modal_data["image"].items)
         else:
             assert row["mm_token_type_ids"] is None
@@ -403,7 +381,7 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
     counts = ray_session.get(ledger.get.remote())
     assert counts["rows_in"] == counts["rows_out"] == len(rows) and counts["quarantined"] == 0
 
-    got_geo = _rows(build_sft_dataset(files[1], model_dir, config, processor=model_dir))
+    got_geo = _rows(vl_ds(files[1]))
     for row, source in zip(got_geo, geo, strict=True):
         messages = split_media_placeholders([dict(m) for m in source["prompt"]])
         messages.append({"role": "assistant", "content": source["completion"]})
@@ -414,7 +392,7 @@ def test_images_equal_direct_samples_and_the_processor(ray_session, model_dir, t
 
 
 @slow
-def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_dir, tmp_path, vl_renderer):
+def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, vl_ds, tmp_path, vl_renderer):
     rng = random.Random(9)
     images = [encoded_image(rng, "png"), encoded_image(rng, "jpeg")]
     parts = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"}]
@@ -422,8 +400,8 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
         {"role": "user", "content": parts + [{"type": "image"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "They differ."}]},
     ]
-    full = build_training_sample(vl_renderer, messages, images=images)
-    first, second = full.multi_modal_data["image"].placeholders
+    full = _sample(vl_renderer, messages, images)
+    first, second = full.multi_modal_data.mm_placeholders["image"]
     path = _write(tmp_path / "two.parquet", [{"messages": messages, "images": [{"bytes": b} for b in images]}] * 3)
     cases = [  # (sequence limit, inputs kept, images kept)
         (second.offset + second.length // 2, second.offset, 1),  # inside the second run: back to its start
@@ -432,7 +410,7 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
     ]
     for limit, cut, kept in cases:  # every cut is in the user turn: no trained target, kept to look at the runs
         config = {**BASE, "sft_max_length": limit}
-        row = _rows(build_sft_dataset(path, model_dir, config, processor=model_dir, no_target="keep"))[0]
+        row = _rows(vl_ds(path, config, no_target="keep"))[0]
         seq = shift_and_truncate(full, limit)
         _assert_row_equals(row, seq)
         assert len(row["input_ids"]) == cut
@@ -445,7 +423,7 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
             assert row["pixel_values"] is None and row["mm_token_type_ids"] == [0] * cut
 
     budget = 2 * len(full.token_ids)
-    rows = _rows(build_sft_dataset(path, model_dir, {**BASE, "sft_pack_token_budget": budget}, processor=model_dir))
+    rows = _rows(vl_ds(path, {**BASE, "sft_pack_token_budget": budget}))
     one = shift_and_truncate(full, budget)
     n = len(one.inputs)
     assert [r["seq_lens"] for r in rows] == [[n, n], [n]]
@@ -455,34 +433,11 @@ def test_truncation_and_packing_keep_placeholder_runs_whole(ray_session, model_d
     assert [p["offset"] for p in row["image_placeholders"]] == offsets + [o + n for o in offsets]
     pixels = np.concatenate([item["pixel_values"] for item in one.multi_modal_data["image"].items])
     np.testing.assert_allclose(tensor_from_record(row["pixel_values"]), np.concatenate([pixels, pixels]), atol=1e-6)
-    ds = build_sft_dataset(path, model_dir, {**BASE, "sft_pack_token_budget": budget}, processor=model_dir)
+    ds = vl_ds(path, {**BASE, "sft_pack_token_budget": budget})
     batch = next(iter(ds.iter_torch_batches(batch_size=2, collate_fn=SFTCollate())))
     assert batch["image_grid_thw"].shape == (6, 3) and batch["pixel_values"].shape[0] == 3 * pixels.shape[0]
     assert batch["mm_token_type_ids"].shape == batch["input_ids"].shape
     assert batch["mm_token_type_ids"][0].tolist() == row["mm_token_type_ids"]
-
-
-@pytest.mark.gpu
-def test_cuda_vision_pool_matches_the_cpu_pool(ray_session, model_dir, tmp_path):
-    """SFT's vision pool on a GPU actor: every field as on the CPU pool, pixel values within the device tolerance."""
-    from ingest.media.pixels import ImagePixels
-
-    rows, _ = _mm_rows(1, 10)
-    file = _write(tmp_path / "mm.parquet", rows, row_group_size=4)
-    cpu = _rows(build_sft_dataset(file, model_dir, BASE, processor=model_dir))
-    gpu_config = {**BASE, "vision_device": "cuda", "vision_num_gpus": 1}
-    gpu = _rows(build_sft_dataset(file, model_dir, gpu_config, processor=model_dir))
-    tolerance = ImagePixels.from_dir(model_dir).device_tolerance()
-    assert len(gpu) == len(cpu) == len(rows)
-    for got, expected in zip(gpu, cpu, strict=True):
-        assert got.keys() == expected.keys()
-        for key, value in expected.items():
-            if key.startswith("pixel_values") and value is not None:
-                np.testing.assert_allclose(
-                    tensor_from_record(got[key]), tensor_from_record(value), atol=tolerance, rtol=0
-                )
-            else:
-                assert got[key] == value, key
 
 
 # --- renderers' and prime-rl's call shapes -----------------------------------------------------------------------
@@ -499,35 +454,42 @@ def _byt5_chatml():
     return tokenizer
 
 
+def assistant_only(message) -> bool:
+    return message["role"] == "assistant"
+
+
 @slow
 def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
-    ray_session, model_dir, text_files, text_conversations, tmp_path, monkeypatch
+    ray_session, qwen3_dir, vl_dir, text_files, text_conversations, tmp_path, monkeypatch
 ):
-    """renderers' call: ``build_sft_dataset(files, tokenizer_object)``. An object is never pickled to the actors: a
-    tokenizer unchanged since it was loaded from a directory goes as that directory; anything else (a changed
-    template, a slow tokenizer made in memory, a processor) is saved once and its files reach the actors, also on a
-    node without the driver's directory."""
+    """prime-rl's call: ``build_sft_dataset(files, tokenizer_object, renderer=...)``. An object is never pickled to the
+    actors: a tokenizer unchanged since it was loaded from a directory goes as that directory; anything else (a
+    changed template, a slow tokenizer made in memory, a processor) is saved once and its files reach the actors,
+    also on a node without the driver's directory. A renderer made by ``renderers.create_renderer`` gives its
+    config."""
     from transformers import AutoProcessor, AutoTokenizer
 
     from ingest.datasets.saved_models import model_for_actors
 
     config = {**BASE, "read_rows_per_task": 40}
-    by_path = _rows(build_sft_dataset(text_files, model_dir, config))
-    fast = AutoTokenizer.from_pretrained(model_dir)
-    assert fast.is_fast and model_for_actors(fast) == model_dir  # unchanged: its directory, nothing saved
-    assert _rows(build_sft_dataset(text_files, fast, config)) == by_path
+    qwen3 = Qwen3RendererConfig()
+    by_path = _rows(build_sft_dataset(text_files, qwen3_dir, config, renderer=qwen3))
+    fast = AutoTokenizer.from_pretrained(qwen3_dir)
+    assert fast.is_fast and model_for_actors(fast) == qwen3_dir  # unchanged: its directory, nothing saved
+    assert _rows(build_sft_dataset(text_files, fast, config, renderer=qwen3)) == by_path
+    assert _rows(build_sft_dataset(text_files, fast, config, renderer=create_renderer(fast, qwen3))) == by_path
 
-    # a changed template is the object's, not the directory's: saved, and the actors render with it
-    changed = AutoTokenizer.from_pretrained(model_dir)
-    changed.chat_template = changed.chat_template.replace("You are a helpful assistant.", "Answer tersely.")
+    # a changed template is the object's, not the directory's: saved, and renderers' default renderer (the
+    # template's own) renders with it in the actors
+    default = renderers.configs.DefaultRendererConfig()
+    changed = AutoTokenizer.from_pretrained(qwen3_dir)
+    changed.chat_template = changed.chat_template.replace("# Tools", "# Available tools")
     saved = model_for_actors(changed)
-    assert not isinstance(saved, str) and saved.path != model_dir
-    got = _rows(build_sft_dataset(text_files, changed, config))
-    renderer = create_renderer(changed)
-    assert got != by_path
+    assert not isinstance(saved, str) and saved.path != qwen3_dir
+    got = _rows(build_sft_dataset(text_files, changed, config, renderer=default, role_to_mask=assistant_only))
+    renderer = create_renderer(changed, default)
     for row, messages in zip(got, text_conversations, strict=True):
-        _assert_row_equals(row, _direct(renderer, messages))
-        assert row["input_ids"] + row["target_ids"][-1:] == hf_chat_ids(changed, messages)
+        _assert_row_equals(row, _direct(renderer, messages, role_to_mask=assistant_only))
 
     # a slow tokenizer: saved once (the same SavedModel for a second dataset), rows as the direct calls
     slow = _byt5_chatml()
@@ -539,26 +501,26 @@ def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
     path = _write(tmp_path / "byt5.parquet", [{"messages": m} for m in chats])
     saved = model_for_actors(slow)
     assert model_for_actors(slow) is saved
-    slow_renderer = create_renderer(slow)
-    got = _rows(build_sft_dataset(path, slow, BASE))
+    slow_renderer = create_renderer(slow, default)
+    got = _rows(build_sft_dataset(path, slow, BASE, renderer=default, role_to_mask=assistant_only))
     for row, messages in zip(got, chats, strict=True):
-        _assert_row_equals(row, _direct(slow_renderer, messages))
-        assert row["input_ids"] + row["target_ids"][-1:] == hf_chat_ids(slow, messages)
+        _assert_row_equals(row, _direct(slow_renderer, messages, role_to_mask=assistant_only))
     # an actor on a node without the driver's directory writes the files from the object store
     shutil.rmtree(saved.path)
-    assert _rows(build_sft_dataset(path, slow, BASE)) == got
+    assert _rows(build_sft_dataset(path, slow, BASE, renderer=default, role_to_mask=assistant_only)) == got
 
-    # a processor object, as the tokenizer (its tokenizer, template and media) or as the processor
+    # a processor object, as the tokenizer or as the processor (renderers loads it from the same files)
     rows, _ = _mm_rows(4, 6)
     mm_file = _write(tmp_path / "mm.parquet", rows)
-    processor = AutoProcessor.from_pretrained(model_dir)
-    mm_by_path = _rows(build_sft_dataset(mm_file, model_dir, BASE, processor=model_dir))
+    vl = Qwen3VLRendererConfig()
+    processor = AutoProcessor.from_pretrained(vl_dir)
+    mm_by_path = _rows(build_sft_dataset(mm_file, vl_dir, BASE, renderer=vl))
     assert any(r["pixel_values"] is not None for r in mm_by_path)
-    assert _rows(build_sft_dataset(mm_file, processor, BASE)) == mm_by_path
-    assert _rows(build_sft_dataset(mm_file, fast, BASE, processor=processor)) == mm_by_path
+    assert _rows(build_sft_dataset(mm_file, processor, BASE, renderer=vl)) == mm_by_path
+    assert _rows(build_sft_dataset(mm_file, None, BASE, processor=processor, renderer=vl)) == mm_by_path
 
     # an object that can be neither named nor saved: one clear error on the driver
-    stuck = AutoTokenizer.from_pretrained(model_dir)
+    stuck = AutoTokenizer.from_pretrained(qwen3_dir)
     stuck.chat_template += " "  # no longer its directory's tokenizer
 
     def refuse(*args, **kwargs):
@@ -566,12 +528,12 @@ def test_tokenizer_and_processor_objects_give_the_rows_of_their_paths(
 
     monkeypatch.setattr(stuck, "save_pretrained", refuse)
     with pytest.raises(ValueError, match="cannot hand the tokenizer object .* read-only file system.* directory"):
-        build_sft_dataset(text_files, stuck, config)
-    with pytest.raises(TypeError, match="tokenizer must be a path, a hub name or a transformers tokenizer"):
-        build_sft_dataset(text_files, object(), config)
+        build_sft_dataset(text_files, stuck, config, renderer=qwen3)
+    with pytest.raises(TypeError, match="renderers config or a renderer"):
+        build_sft_dataset(text_files, qwen3_dir, config, renderer="qwen3")
 
 
-def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, model_dir, tmp_path, text_renderer):
+def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, text_ds, tmp_path, text_renderer):
     """A sample whose window (``sft_max_length``) holds no trained token is dropped by default (prime-rl's rule:
     its loss would divide by zero) and counted as ``dropped_no_target``, so rows in = out + filtered + quarantined +
     dropped; ``no_target="keep"`` emits it with an all-false loss mask."""
@@ -584,7 +546,7 @@ def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, model_di
     assert any(_direct(text_renderer, short, 64).loss_mask)
 
     ledger = RunLedger.remote()
-    rows = _rows(build_sft_dataset(path, model_dir, config, ledger=ledger))
+    rows = _rows(text_ds(path, config, ledger=ledger))
     assert len(rows) == 2
     for row in rows:
         _assert_row_equals(row, _direct(text_renderer, short, 64))
@@ -596,7 +558,7 @@ def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, model_di
     assert "dropped: no target            2" in summary.format()
 
     ledger = RunLedger.remote()
-    kept = _rows(build_sft_dataset(path, model_dir, config, ledger=ledger, no_target="keep"))
+    kept = _rows(text_ds(path, config, ledger=ledger, no_target="keep"))
     assert len(kept) == 4
     for row, messages in zip(kept, [short, long_prompt, short, long_prompt], strict=True):
         _assert_row_equals(row, _direct(text_renderer, messages, 64))
@@ -604,7 +566,7 @@ def test_no_target_samples_are_dropped_and_counted_or_kept(ray_session, model_di
     counts = ray_session.get(ledger.get.remote())
     assert (counts["rows_out"], counts["dropped_no_target"], counts["quarantined"]) == (4, 0, 1)
     with pytest.raises(ValueError, match="no_target must be one of drop, keep"):
-        build_sft_dataset(path, model_dir, config, no_target="skip")
+        text_ds(path, config, no_target="skip")
 
 
 def _tool_chat(arguments) -> list[dict]:
@@ -618,16 +580,12 @@ def _tool_chat(arguments) -> list[dict]:
     ]
 
 
-def test_struct_column_nulls_go_and_tool_call_argument_nulls_stay(ray_session, model_dir, tmp_path):
+def test_struct_column_nulls_go_and_tool_call_argument_nulls_stay(
+    ray_session, text_ds, tmp_path, text_renderer, qwen3_dir
+):
     """A Parquet struct column gives every message every key, so keys a message lacks read back as null and go;
     a null inside tool-call arguments is data (``{"reasoning_effort": null}``) and stays, whether the arguments are
-    a JSON string (OpenAI's shape) or a map. Token ids equal ``apply_chat_template`` on the source messages."""
-    from transformers import AutoTokenizer
-
-    from tests.test_sft import QWEN3_TEMPLATE
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = QWEN3_TEMPLATE  # renders tool calls and their arguments
+    a JSON string (OpenAI's shape) or a map. The rows equal renderers' samples of the source messages."""
     named = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi", "name": "ann"},
@@ -650,33 +608,44 @@ def test_struct_column_nulls_go_and_tool_call_argument_nulls_stay(ray_session, m
     assert pq.read_table(string_file).column("messages")[1].as_py()[1]["tool_calls"] is None  # the filled nulls
 
     for path, sources, tools in ((string_file, as_string, TOOLS), (map_file, as_map, None)):
-        rows = _rows(build_sft_dataset(path, tokenizer, BASE))
+        rows = _rows(text_ds(path))
         assert len(rows) == len(sources)
         for row, messages in zip(rows, sources, strict=True):
-            ids = hf_chat_ids(tokenizer, messages, tools)
-            assert row["input_ids"] == ids[:-1] and row["target_ids"] == ids[1:]
-            assert row["loss_mask"] == expected_chatml_mask(ids)[1:]
-        assert '"reasoning_effort": null' in tokenizer.decode(rows[0]["input_ids"])
+            _assert_row_equals(row, _direct(text_renderer, messages, tools=tools))
+    from transformers import AutoTokenizer
+
+    decoded = AutoTokenizer.from_pretrained(qwen3_dir).decode(_rows(text_ds(string_file))[0]["input_ids"])
+    assert '"reasoning_effort": null' in decoded
 
 
-def test_files_without_conversation_columns_name_the_columns_found_and_expected(ray_session, model_dir, tmp_path):
+def test_files_without_conversation_columns_name_the_columns_found_and_expected(ray_session, text_ds, tmp_path):
     other = _write(tmp_path / "other.parquet", [{"text": "x", "label": 1}])
     with pytest.raises(SourceError) as info:
-        build_sft_dataset(other, model_dir, BASE)
+        text_ds(other)
     message = str(info.value)
     assert info.value.file == other and info.value.column == "messages"
     assert "found 'text', 'label'" in message
     assert "expected a 'messages' column" in message and "'prompt' + 'completion' columns" in message
     half = _write(tmp_path / "half.parquet", [{"prompt": "x"}])
     with pytest.raises(SourceError, match="found 'prompt'; expected a 'messages' column"):
-        build_sft_dataset(half, model_dir, {**BASE, "sft_completion_key": "answer"})
+        text_ds(half, {**BASE, "sft_completion_key": "answer"})
     renamed = _write(tmp_path / "renamed.parquet", [{"chat": "[]"}])
     with pytest.raises(SourceError, match="found 'chat'; expected a 'conversation' column"):
-        build_sft_dataset(renamed, model_dir, {**BASE, "sft_messages_key": "conversation"})
+        text_ds(renamed, {**BASE, "sft_messages_key": "conversation"})
     messages = _write(tmp_path / "messages.parquet", [{"messages": "[]"}])
     split = _write(tmp_path / "split.parquet", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(SourceError, match="mix the two conversation layouts"):
-        build_sft_dataset([messages, split], model_dir, BASE)
+        text_ds([messages, split])
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
 
 
 def _prime_rl_sample(sample, seq_len: int) -> dict | None:
@@ -686,23 +655,24 @@ def _prime_rl_sample(sample, seq_len: int) -> dict | None:
     ids, mask, types = list(sample.token_ids), list(sample.loss_mask), sample.mm_token_type_ids
     inputs, targets, mask = ids[:-1], ids[1:], mask[1:]
     types = None if types is None else list(types)[:-1]
-    data = sample.multi_modal_data
+    mm = sample.multi_modal_data
+    data = None if mm is None else {name: (mm.mm_items[name], ranges) for name, ranges in mm.mm_placeholders.items()}
     if data is not None and len(inputs) > seq_len:
         cut = seq_len
-        for modality in data.values():
-            for r in modality.placeholders:
+        for _, ranges in data.values():
+            for r in ranges:
                 if r.offset < cut < r.offset + r.length:
                     cut = r.offset
         inputs, targets, mask = inputs[:cut], targets[:cut], mask[:cut]
         types = None if types is None else types[:cut]
         data = {
-            name: [item for item, r in zip(m.items, m.placeholders, strict=True) if r.offset + r.length <= cut]
-            for name, m in data.items()
+            name: [item for item, r in zip(items, ranges, strict=True) if r.offset + r.length <= cut]
+            for name, (items, ranges) in data.items()
         }
         if IM_END not in targets:
             return None
     else:
-        data = None if data is None else {name: m.items for name, m in data.items()}
+        data = None if data is None else {name: items for name, (items, _) in data.items()}
     if not any(mask[:seq_len]):
         return None
     mm_kwargs = {}
@@ -796,13 +766,13 @@ def _prime_rl_packs(samples: list[dict], seq_len: int) -> list[dict]:
     return packs
 
 
-def test_prime_rl_collate_gives_prime_rl_packed_micro_batches(ray_session, model_dir, tmp_path, vl_renderer):
+def test_prime_rl_collate_gives_prime_rl_packed_micro_batches(ray_session, vl_ds, tmp_path, vl_renderer):
     """``PrimeRLCollate`` over rows packed with ``sft_pack_token_budget`` = prime-rl's ``seq_len`` equals the same
     conversations through prime-rl's rule (its ``SFTDataset`` samples, ``CatDataset`` packs, ``cat_collate``):
     inputs, targets, loss mask, per-sample positions, ``seq_lens`` with the padding on the last sample, pixel values
     and grids concatenated, ``mm_token_type_ids`` shifted in lockstep and only in packs with media."""
     rng = random.Random(12)
-    big = encoded_image(random.Random(5), "png")
+    big = _png(np.random.default_rng(5).integers(0, 255, (640, 640, 3), dtype=np.uint8))  # 400 image tokens
 
     def part(text):  # every content a part list: one Parquet struct column for all rows
         return [{"type": "text", "text": text}]
@@ -818,7 +788,7 @@ def test_prime_rl_collate_gives_prime_rl_packed_micro_batches(ray_session, model
 
     # an image in the second user turn: cut inside its run, the sample keeps its first answer and loses the image
     late_image = text_chat(3) + image_chat(big, "A shape?")
-    run = build_training_sample(vl_renderer, late_image).multi_modal_data["image"].placeholders[0]
+    run = build_training_sample(vl_renderer, late_image).multi_modal_data.mm_placeholders["image"][0]
     seq_len = run.offset + run.length // 2
     small = [encoded_image(rng, kind) for kind in ("tiny", "wide", "tall", "tiny")]
     conversations = [
@@ -842,7 +812,7 @@ def test_prime_rl_collate_gives_prime_rl_packed_micro_batches(ray_session, model
 
     path = _write(tmp_path / "prime.parquet", [{"messages": m} for m in conversations])
     config = {**BASE, "sft_pack_token_budget": seq_len, "tokenizer_batch_size": 64, "read_rows_per_task": 64}
-    ds = build_sft_dataset(path, model_dir, config, processor=model_dir)
+    ds = vl_ds(path, config, ensure_final_stop=True)
     got = list(ds.iter_torch_batches(batch_size=1, collate_fn=PrimeRLCollate(seq_len)))
     assert len(got) == len(expected)
     for batch, want in zip(got, expected, strict=True):

@@ -12,10 +12,11 @@ import sys
 def cmd_bench(args: argparse.Namespace) -> int:
     from tools.bench import MM_LAYOUTS, bench_mm, bench_text
 
-    if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs a per-sample prefix-render loop (default 20000)
+    if args.kind == "sft":  # SFT samples/s: build_sft_dataset vs renderers' own loop (default 20000, text)
         from tools.sft_bench import bench_sft
 
-        print(json.dumps(bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir), indent=2))
+        result = bench_sft(rows=args.rows or [20_000], work_dir=args.work_dir, workloads=args.sft_workload)
+        print(json.dumps(result, indent=2))
         return 0
     if args.kind == "scale":  # peak memory (Ray processes + object store) and rows/s at each size, default 100k 1M
         from tools.scale import bench_scale  # --images: image rows, default 10k 100k
@@ -117,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["geo3k", "mixed"],
         help="handoff only: geo3k-shaped prompts, or the mixed workload (Image() and plain-struct columns, JPEG and "
         "PNG, 28 px to over 2,000 px, several images a prompt, frame-list videos)",
+    )
+    bench.add_argument(
+        "--sft-workload",
+        nargs="+",
+        default=["text"],
+        choices=["text", "qwen3-vl"],
+        help="sft only: chats through renderers' Qwen3 renderer, or with images through its Qwen3-VL renderer",
     )
     bench.add_argument(
         "--path",

@@ -8,6 +8,7 @@ import atexit
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from pathlib import Path
@@ -15,7 +16,6 @@ from typing import Any
 
 import ray
 
-from ingest.sft.tokenizers import HFChatTokenizer, is_processor_object, is_tokenizer_object
 from ingest.tokenizer.chat import ChatTokenizer
 
 # saved tokenizer / processor objects of this driver: (what they looked like when saved, the SavedModel)
@@ -34,8 +34,6 @@ def model_for_actors(model: Any, what: str = "tokenizer") -> Any:
         return None if model is None else os.fspath(model)
     if isinstance(model, ChatTokenizer):
         return model.path
-    if isinstance(model, HFChatTokenizer):
-        model = model._hf
     if not (is_tokenizer_object(model) or is_processor_object(model) or hasattr(model, "save_pretrained")):
         raise TypeError(
             f"{what} must be a path, a hub name or a transformers {what} object, got {type(model).__name__}"
@@ -92,28 +90,42 @@ def _model_fingerprint(model: Any) -> tuple:
 
 
 def _same_tokenizer(model: Any, directory: str) -> bool:
-    """Whether ``directory`` loads the tokenizer ``model`` is, as far as a render can tell: chat template, the eos
-    token (the fallback's stop token) and the special tokens the template names, vocabulary size and the ids of a
-    probe holding every added token.
+    """Whether ``directory`` loads the tokenizer ``model`` is, as far as a render can tell: chat template, special
+    tokens, vocabulary size and the ids of a probe holding every added token."""
+    from transformers import AutoTokenizer
 
-    Other special tokens are not compared: transformers fills in class defaults the directory does not hold (a
-    loaded Qwen2 tokenizer has ``unk_token`` ``<|endoftext|>``, its directory none), and a template that does not
-    name them renders the same without them."""
     try:
-        loaded = ChatTokenizer(directory)
+        loaded = AutoTokenizer.from_pretrained(directory)
     except Exception:
         return False
-    ours = HFChatTokenizer(model)
-    template = ours.chat_template
-    if not isinstance(template, str) or template != loaded.chat_template:
+    if model.chat_template != loaded.chat_template or model.special_tokens_map != loaded.special_tokens_map:
         return False
-    keys = {k for k in (*ours.special_tokens_map, *loaded.special_tokens_map) if k == "eos_token" or k in template}
-    if any(ours.special_tokens_map.get(k) != loaded.special_tokens_map.get(k) for k in keys):
-        return False
-    backend = getattr(loaded, "_backend", None)
-    size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else len(loaded._hf)
-    if size != len(model):
+    if len(model) != len(loaded):
         return False
     added = "".join(str(t) for t in getattr(model, "added_tokens_decoder", {}).values())
     probe = f"Hello, world! 123 \u00fc\u4e2d\n\n  x{added}"
-    return ours.encode_batch([probe]) == loaded.encode_batch([probe])
+    return model(probe, add_special_tokens=False)["input_ids"] == loaded(probe, add_special_tokens=False)["input_ids"]
+
+
+def is_transformers_instance(obj: object, *class_names: str) -> bool:
+    """``isinstance(obj, transformers.<name>)`` for any of ``class_names``, without importing transformers (an object
+    of one of its classes can only exist once the caller imported it)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return False
+    for name in class_names:
+        try:
+            cls = getattr(transformers, name)
+        except Exception:  # a lazy attribute whose backend is missing
+            continue
+        if isinstance(obj, cls):
+            return True
+    return False
+
+
+def is_tokenizer_object(obj: object) -> bool:
+    return is_transformers_instance(obj, "PreTrainedTokenizerBase")
+
+
+def is_processor_object(obj: object) -> bool:
+    return is_transformers_instance(obj, "ProcessorMixin")

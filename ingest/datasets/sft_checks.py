@@ -13,8 +13,6 @@ from ingest.stages.sft import NO_TARGET_POLICIES
 def check_sft_config(cfg: DataConfig) -> None:
     if cfg.sft_max_length is not None and int(cfg.sft_max_length) < 1:
         raise ValueError(f"sft_max_length must be >= 1 or null, got {cfg.sft_max_length}")
-    if cfg.vision_pool_max_size == 0:
-        raise ValueError("vision_pool_max_size: 0 (vision in the actors before it) is build_dataset's; SFT needs >= 1")
     if int(cfg.sft_pack_token_budget) < 0:
         raise ValueError(f"sft_pack_token_budget must be >= 0 (0: no packing), got {cfg.sft_pack_token_budget}")
 

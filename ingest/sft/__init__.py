@@ -1,67 +1,34 @@
-"""SFT training samples: one-pass chat rendering with per-token tags, loss masks, media placeholders.
+"""SFT training samples at Ray Data scale, made by the ``renderers`` package itself (the ``sft`` extra).
 
-The contract is the semantics of the ``renderers`` package's ``build_training_sample`` (``docs/sft.md`` describes the
-tagging rules). In short:
+Each render actor builds one renderer with ``renderers.create_renderer`` and calls renderers' own
+``build_training_sample`` per conversation with the caller's keyword arguments (``engine``). The pipeline adds what
+renderers does not have: streaming Parquet (local, S3, HDFS), actor pools, images from their columns, the causal
+shift, truncation that never splits a media run and packing with ``seq_lens`` as prime-rl consumes them
+(``sequence``), exact resume, and accounting with quarantine of bad rows (``conversation``, ``ingest.stages.sft``).
+See docs/sft.md.
 
-- A renderer renders the conversation once with the model's chat template (the Jinja environment of
-  ``ingest.tokenizer.template``, what ``apply_chat_template`` renders), encodes the text in one backend call with
-  character offsets, and tags every token with the message it came from (-1: scaffolding), whether the model samples it
-  and whether it is message body. Token ids therefore equal ``apply_chat_template(messages, tokenize=True)``.
-- ``ChatMLRenderer`` (ChatML templates: Qwen2-VL, Qwen2.5, Qwen3, ...) knows the turn structure
-  ``<|im_start|>role\\n body <|im_end|>``: sampled = assistant body + its ``<|im_end|>``.
-  ``TemplateRenderer`` (any other template) attributes characters to messages by prefix rendering and cannot tell
-  sampled tokens, so ``build_training_sample`` needs ``role_to_mask`` with it.
-- Images / videos in message content are expanded into pad runs of ``grid.prod() // merge_size**2`` tokens (image
-  grids from the image header and the processor geometry, as on the RL path; pixels by the RL path's vision stage).
-- ``shift_and_truncate`` and ``pack`` are the consumer side: causal shift in lockstep, a cut that never splits a
-  placeholder run, packing with explicit ``seq_lens``.
+A prime-rl user's ``from renderers import create_renderer, build_training_sample`` is unchanged beside this package:
+nothing here takes their names.
 
-Modules: ``data`` (types), ``render`` (renderers), ``media`` (images / videos), ``sample``
-(``build_training_sample``), ``sequence`` (shift / truncate / pack). Pure Python + numpy; transformers and torch
-are imported only when media is processed. CPU only.
-
-A leaf library: nothing here imports Ray, a pipeline stage or an actor. The Ray Data mode lives beside the RL one:
-``build_sft_dataset`` in ``ingest.datasets.sft``, its collates beside ``VerlCollate`` (``rowformat.sft_collate``);
-the names below resolve there on first use.
+Modules: ``engine`` (renderers' calls), ``conversation`` (the checks before them), ``data`` / ``sequence`` (shift,
+truncate, pack). ``build_sft_dataset`` lives in ``ingest.datasets.sft``, its collates beside ``VerlCollate``
+(``rowformat.sft_collate``); the names below resolve there on first use.
 """
 
 from ingest.lazy import lazy_exports
-from ingest.sft.data import (
-    MODALITY_TOKEN_TYPES,
-    MediaItem,
-    ModalityData,
-    PlaceholderRange,
-    RenderedConversation,
-    RenderedTrainingSample,
-    SFTRenderError,
-    TrainingSequence,
-    mm_token_type_ids,
-)
-from ingest.sft.render import ChatMLRenderer, Renderer, TemplateRenderer, create_renderer
-from ingest.sft.sample import build_training_sample, conversation_problem
+from ingest.sft.conversation import SFTRenderError, conversation_problem
+from ingest.sft.data import ModalityData, PlaceholderRange, TrainingSequence
 from ingest.sft.sequence import pack, shift_and_truncate
-from ingest.sft.tokenizers import HFChatTokenizer
 
 __all__ = [
-    "MODALITY_TOKEN_TYPES",
-    "ChatMLRenderer",
-    "HFChatTokenizer",
-    "MediaItem",
     "ModalityData",
     "PlaceholderRange",
     "PrimeRLCollate",
-    "RenderedConversation",
-    "RenderedTrainingSample",
-    "Renderer",
     "SFTCollate",
     "SFTRenderError",
-    "TemplateRenderer",
     "TrainingSequence",
     "build_sft_dataset",
-    "build_training_sample",
     "conversation_problem",
-    "create_renderer",
-    "mm_token_type_ids",
     "pack",
     "shift_and_truncate",
 ]

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from ingest.sft.data import ModalityData, PlaceholderRange, RenderedTrainingSample, TrainingSequence
+from ingest.sft.data import ModalityData, PlaceholderRange, TrainingSequence
 
 
-def shift_and_truncate(sample: RenderedTrainingSample, max_length: int | None = None) -> TrainingSequence:
-    """Causal shift in lockstep (inputs = ids[:-1], targets = ids[1:]) with at most ``max_length`` inputs.
+def media_of(sample: Any) -> dict[str, ModalityData]:
+    """A renderers sample's ``multi_modal_data`` (``mm_items`` / ``mm_hashes`` / ``mm_placeholders`` per modality)
+    per modality, in stream order."""
+    mm = sample.multi_modal_data
+    if mm is None:
+        return {}
+    return {
+        modality: ModalityData(
+            [dict(item) for item in mm.mm_items.get(modality, [])],
+            list(mm.mm_hashes.get(modality, [])),
+            [PlaceholderRange(int(r.offset), int(r.length)) for r in ranges],
+        )
+        for modality, ranges in mm.mm_placeholders.items()
+    }
+
+
+def shift_and_truncate(sample: Any, max_length: int | None = None) -> TrainingSequence:
+    """A renderers ``RenderedTrainingSample`` shifted in lockstep (inputs = ids[:-1], targets = ids[1:]) with at
+    most ``max_length`` inputs, as prime-rl's SFT data does.
 
     A cut inside a placeholder run moves back to the run's start; media items past the cut are dropped (with their
     ``multi_modal_data`` entries). A sample of fewer than 2 tokens (or cut to 0 inputs) gives empty lists.
@@ -19,7 +37,7 @@ def shift_and_truncate(sample: RenderedTrainingSample, max_length: int | None = 
         if max_length < 0:
             raise ValueError(f"max_length must be >= 0, got {max_length}")
         cut = min(cut, max_length)
-    data = sample.multi_modal_data or {}
+    data = media_of(sample)
     ranges = [r for d in data.values() for r in d.placeholders]
     moved = True
     while moved:
@@ -40,7 +58,7 @@ def shift_and_truncate(sample: RenderedTrainingSample, max_length: int | None = 
     return TrainingSequence(
         inputs=list(ids[:cut]),
         targets=list(ids[1 : cut + 1]),
-        loss_mask=list(sample.loss_mask[1 : cut + 1]),
+        loss_mask=[bool(m) for m in sample.loss_mask[1 : cut + 1]],
         mm_token_type_ids=None if types is None else list(types[:cut]),
         multi_modal_data=kept or None,
         seq_lens=[cut] if cut else [],
@@ -48,19 +66,19 @@ def shift_and_truncate(sample: RenderedTrainingSample, max_length: int | None = 
     )
 
 
-def pack(samples: Iterable[RenderedTrainingSample | TrainingSequence], token_budget: int) -> list[TrainingSequence]:
+def pack(samples: Iterable[Any], token_budget: int) -> list[TrainingSequence]:
     """Greedy in-order packing into sequences of at most ``token_budget`` inputs, with per-sample ``seq_lens``.
 
-    ``RenderedTrainingSample``s are shifted and truncated to the budget first; a ``TrainingSequence`` longer than the
-    budget is an error. Empty samples are skipped. Placeholder offsets are moved to the packed positions;
-    ``mm_token_type_ids`` is None only when no packed sample has it (zeros fill in for text samples).
+    renderers' ``RenderedTrainingSample``s are shifted and truncated to the budget first; a ``TrainingSequence``
+    longer than the budget is an error. Empty samples are skipped. Placeholder offsets are moved to the packed
+    positions; ``mm_token_type_ids`` is None only when no packed sample has it (zeros fill in for text samples).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     packs: list[list[TrainingSequence]] = []
     used = 0
     for sample in samples:
-        seq = shift_and_truncate(sample, token_budget) if isinstance(sample, RenderedTrainingSample) else sample
+        seq = sample if isinstance(sample, TrainingSequence) else shift_and_truncate(sample, token_budget)
         n = len(seq.inputs)
         if n == 0:
             continue

@@ -18,23 +18,38 @@ QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Order matters: added in this order they land on Qwen's real ids 151643..151656.
-QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
+# Qwen's added tokens, in id order from 151643 (order matters: added in this order they land on Qwen's real ids),
+# with the "special" flag of the published tokenizers. Each family has a prefix of this list: Qwen2-VL the first 14,
+# Qwen2.5 (and Qwen2.5-VL) 22, Qwen3 (and Qwen3-VL) all 26.
+QWEN_ADDED_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
 ]
+QWEN2_VL_ADDED_TOKENS = 14
 
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -54,7 +69,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
 
 
 # bumped when the directory's files change form; an older directory is rebuilt
-FORMAT_MARKER, FORMAT_VERSION = ".ray-ingest-format", "3"
+FORMAT_MARKER, FORMAT_VERSION = ".ray-ingest-format", "4"
 # the folder's config.json (no weights): verl's hf_processor and rollout read the model type from it
 MODEL_CONFIG = {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]}
 
@@ -88,26 +103,7 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
             return out
         force = True  # built by an older version of this function
 
-    import transformers
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    # additional_special_tokens=[]: transformers 4.x iterates it (None fails); the special tokens are added below
-    converter = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN, additional_special_tokens=[])
-    backend = converter.converted()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
-    tokenizer_class = PreTrainedTokenizerFast
-    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x's Qwen2-VL processor takes only its Qwen2 class
-        from transformers import Qwen2TokenizerFast as tokenizer_class
-    tokenizer = tokenizer_class(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN2_VL_CHAT_TEMPLATE,
-    )
-    if tokenizer.encode("Hello world") != [9707, 1879] or tokenizer.convert_tokens_to_ids("<|image_pad|>") != 151655:
-        raise RuntimeError("the offline Qwen tokenizer does not reproduce Qwen's ids; dashscope's vocabulary changed?")
+    tokenizer = build_qwen_tokenizer(QWEN2_VL_ADDED_TOKENS, QWEN2_VL_CHAT_TEMPLATE)
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -126,8 +122,7 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
         processor.video_processor.save_pretrained(tmp)
     except ImportError:  # no torchvision: still a usable text tokenizer
         tokenizer.save_pretrained(tmp)
-    _make_loadable_by_transformers4(tmp)
-    _compact_tokenizer_json(tmp / "tokenizer.json")
+    finish_tokenizer_dir(tmp)
     (tmp / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2))
     (tmp / FORMAT_MARKER).write_text(FORMAT_VERSION)
     if out.exists() and force:
@@ -141,6 +136,42 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_qwen_tokenizer(added_tokens: int, chat_template: str):
+    """A transformers tokenizer with Qwen's 151,643 BPE ranks (from ``dashscope``), the first ``added_tokens`` of
+    ``QWEN_ADDED_TOKENS`` on their real ids, eos ``<|im_end|>``, pad ``<|endoftext|>`` and no unknown token, as the
+    published Qwen tokenizers have them."""
+    import transformers
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    # additional_special_tokens=[]: transformers 4.x iterates it (None fails); the added tokens are added below
+    converter = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN, additional_special_tokens=[])
+    backend = converter.converted()
+    for token, special in QWEN_ADDED_TOKENS[:added_tokens]:  # one at a time: each lands on the next id
+        add = backend.add_special_tokens if special else backend.add_tokens
+        add([AddedToken(token, special=special, normalized=False)])
+    tokenizer_class = PreTrainedTokenizerFast
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x's Qwen2-VL processor takes only its Qwen2 class
+        from transformers import Qwen2TokenizerFast as tokenizer_class
+    tokenizer = tokenizer_class(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=chat_template,
+    )
+    if tokenizer.encode("Hello world") != [9707, 1879] or tokenizer.convert_tokens_to_ids("<|image_pad|>") != 151655:
+        raise RuntimeError("the offline Qwen tokenizer does not reproduce Qwen's ids; dashscope's vocabulary changed?")
+    return tokenizer
+
+
+def finish_tokenizer_dir(model_dir: Path) -> None:
+    """A saved tokenizer directory in the published form: loadable by transformers 4 and 5, merges compacted."""
+    _make_loadable_by_transformers4(model_dir)
+    _compact_tokenizer_json(model_dir / "tokenizer.json")
 
 
 def _compact_tokenizer_json(path: Path) -> None:
@@ -162,6 +193,7 @@ def _make_loadable_by_transformers4(model_dir: Path) -> None:
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"
+    config["unk_token"] = None  # as published; a missing key gives Qwen2Tokenizer's default, <|endoftext|>
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
