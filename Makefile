@@ -65,7 +65,8 @@ RECORD = [ -z "$$CI_PHASES_FILE" ] || printf '%-34s %6d s\n' $(1) $$(( $$(date +
 # follows the main one. (Three lanes, with the matrix's installs beside them, overloaded a 2-core VM until Ray's node
 # starts timed out.)
 SIDE_TESTS := tests/test_node_loss.py tests/test_cluster.py tests/test_layout.py tests/test_object_store_pressure.py \
-	tests/test_verl_launcher.py tests/test_verl_trainer.py tests/test_rollout_media.py tests/test_cli.py tests/test_install.py
+	tests/test_verl_launcher.py tests/test_verl_trainer.py tests/test_rollout_media.py tests/test_cli.py tests/test_install.py \
+	tests/test_sft_renderers.py
 # The fast tier's side lane also takes resume and the S3 faults: in test-all the slow cases above fill the side lane
 # (the verl 0.9.1 agent-loop checks the largest), and these two even the lanes out from the main one
 # (docs/benchmarks.md).

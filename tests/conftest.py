@@ -86,6 +86,20 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def sft_family_dirs(tmp_path_factory, model_dir):
+    """The offline tokenizers the SFT tests render with (tools/qwen_families.py), built once per session."""
+    from tools.qwen_families import qwen3_vl_sft_dir, qwen_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("sft-families")
+    return {
+        "qwen2-vl": model_dir,
+        "qwen2.5": qwen_tokenizer_dir(root / "qwen2.5", "qwen2.5"),
+        "qwen3": qwen_tokenizer_dir(root / "qwen3", "qwen3"),
+        "qwen3-vl": qwen3_vl_sft_dir(root / "qwen3-vl"),
+    }
+
+
+@pytest.fixture(scope="session")
 def variety_files(tmp_path_factory):
     """gsm8k-shaped rows with everything the parity contract lists, over 3 files."""
     from ingest.demo import write_gsm8k_parquet

@@ -36,16 +36,8 @@ def assistant_only(message) -> bool:
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, model_dir):
-    from tools.qwen_families import qwen3_vl_sft_dir, qwen_tokenizer_dir
-
-    root = tmp_path_factory.mktemp("families")
-    return {
-        "qwen2-vl": model_dir,
-        "qwen2.5": qwen_tokenizer_dir(root / "qwen2.5", "qwen2.5"),
-        "qwen3": qwen_tokenizer_dir(root / "qwen3", "qwen3"),
-        "qwen3-vl": qwen3_vl_sft_dir(root / "qwen3-vl"),
-    }
+def family_dirs(sft_family_dirs):
+    return sft_family_dirs
 
 
 # family -> (tokenizer directory, renderer config, build_training_sample's keyword arguments)
@@ -169,32 +161,24 @@ def test_qwen3_vl_image_rows_equal_renderers_own_samples(ray_session, tmp_path, 
 # --- every case (full tier) ------------------------------------------------------------------------------------------
 
 
-@slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "default-qwen2.5", "default-qwen2-vl"])
-def test_tool_calls_thinking_and_multi_turn_equal_renderers(ray_session, tmp_path, family_dirs, family):
-    check_family(tmp_path, family_dirs, family, text_rows(11, 40, with_tools=True))
-
-
-@slow
-@pytest.mark.parametrize("family", ["qwen3", "default-qwen2.5"])
-def test_content_sft_roles_and_ensure_final_stop_equal_renderers(ray_session, tmp_path, family_dirs, family):
-    rows = text_rows(13, 20, with_tools=True)
-    check_family(tmp_path, family_dirs, family, rows, content_sft_roles={"tool"}, ensure_final_stop=True)
-
-
-@slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-vl"])
-def test_message_loss_mask_column_equals_renderers(ray_session, tmp_path, family_dirs, family):
-    rows = text_rows(17, 15, with_tools=False) if family == "qwen3" else image_rows(5, 6)
+def every_case_rows(family: str) -> list[dict]:
+    """Tool calls, thinking and multi-turn chats (several images in some, text-only ones, for Qwen3-VL), each with a
+    ``message_loss_mask`` that leaves out some messages."""
+    rows = image_rows(23, 12) if family == "qwen3-vl" else text_rows(11, 40, with_tools=True)
     rng = random.Random(17)
     for row in rows:
-        row["message_loss_mask"] = [rng.random() < 0.6 for _ in json.loads(row["messages"])]
-    check_family(tmp_path, family_dirs, family, rows, no_target="keep")  # samples with no target selected stay
+        row["message_loss_mask"] = [rng.random() < 0.7 for _ in json.loads(row["messages"])]
+    return rows
 
 
 @slow
-def test_qwen3_vl_several_images_and_text_only_samples_equal_renderers(ray_session, tmp_path, family_dirs):
-    check_family(tmp_path, family_dirs, "qwen3-vl", image_rows(23, 12))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_case_equals_renderers(ray_session, tmp_path, family_dirs, family):
+    """Every case of a family in one pipeline: renderers' keyword arguments (``content_sft_roles``,
+    ``ensure_final_stop``) and a ``message_loss_mask`` column on tool calls, thinking, multi-turn and image chats;
+    samples with no target left are kept to be compared."""
+    kwargs = {"content_sft_roles": {"tool"}, "ensure_final_stop": True, "no_target": "keep"}
+    check_family(tmp_path, family_dirs, family, every_case_rows(family), **kwargs)
 
 
 @slow

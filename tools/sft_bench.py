@@ -130,10 +130,10 @@ def run_pipeline(files: list[str], model: str, workload: str, config: dict) -> d
     for batch in ds.iter_torch_batches(batch_size=BATCH_SIZE, collate_fn=SFTCollate()):
         if first is None:
             first = time.perf_counter() - PROCESS_START
+        if samples < CHECKED:  # the ids of the first samples (references, no copy); not their pixels
+            checked.append({k: batch[k] for k in ("input_ids", "target_ids", "loss_mask", "attention_mask")})
         samples += int((batch["seq_lens"] > 0).sum())
         tokens += int(batch["attention_mask"].sum())
-        if len(checked) < CHECKED:
-            checked.append(batch)
     seconds = time.perf_counter() - PROCESS_START
     out = []
     for batch in checked:  # unpadded per-sample lists, after the clock
