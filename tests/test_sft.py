@@ -190,3 +190,22 @@ def test_conversation_problem():
     assert "no open tool call" in conversation_problem(
         [*ok, call, {"role": "tool", "content": "r"}, {"role": "tool", "content": "again"}]
     )
+
+
+def test_a_renderer_that_cannot_tell_sampled_tokens_needs_role_to_mask_said_once():
+    from renderers import create_renderer
+    from renderers.configs import DefaultRendererConfig
+
+    from ingest.sft.engine import check_role_to_mask
+
+    class Tokenizer:  # apply_chat_template's shape, as renderers' default renderer calls it
+        name_or_path = "stand-in"
+        eos_token_id = 2
+
+        def apply_chat_template(self, messages, **kwargs):
+            return [1] * (3 * len(messages))
+
+    renderer = create_renderer(Tokenizer(), DefaultRendererConfig())
+    with pytest.raises(ValueError, match="does not populate sampled_mask.*pass role_to_mask"):
+        check_role_to_mask(renderer, None)
+    check_role_to_mask(renderer, lambda m: m["role"] == "assistant")

@@ -22,7 +22,7 @@ from ingest.datasets.pools import read_units_into_pool
 from ingest.datasets.saved_models import is_processor_object, model_for_actors
 from ingest.datasets.sft_checks import check_model_paths, check_no_target, check_sft_config
 from ingest.datasets.sft_plan import plan_sft_input
-from ingest.sft.engine import import_renderers, renderer_config
+from ingest.sft.engine import check_role_to_mask, import_renderers, renderer_config
 from ingest.tokenizer.offline import resolve_model_path
 
 __all__ = ["build_sft_dataset"]
@@ -85,6 +85,7 @@ def build_sft_dataset(
     # the renderer once on the driver: an unknown model or a tokenizer the renderer refuses fails here, in
     # renderers' words, before any actor starts
     driver_renderer = renderers.create_renderer(_loaded_tokenizer(model, cfg), renderer_config(renderer))
+    check_role_to_mask(driver_renderer, role_to_mask)
     plan = plan or plan_sft_input(files, cfg, epoch=epoch, multimodal=renderers.is_multimodal(driver_renderer))
     from actors import SFTRenderActor
 

@@ -45,6 +45,24 @@ def renderer_config(renderer: Any) -> Any:
     )
 
 
+# a conversation every renderer renders: what the driver-side checks render
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+
+
+def check_role_to_mask(renderer: Any, role_to_mask: Callable | None) -> None:
+    """A renderer that does not tell sampled tokens (renderers' default renderer) needs ``role_to_mask``: say so once
+    on the driver, in renderers' words, rather than in every row's quarantine record."""
+    if role_to_mask is not None:
+        return
+    rendered = renderer.render(PROBE)
+    if len(rendered.sampled_mask) != len(rendered.token_ids):
+        raise ValueError(
+            f"{type(renderer).__name__} does not populate sampled_mask: renderers' build_training_sample needs "
+            "role_to_mask with it (e.g. a function returning message['role'] == 'assistant'); pass role_to_mask "
+            "to build_sft_dataset"
+        )
+
+
 class SampleBuilder:
     """renderers' ``build_training_sample`` with one renderer and the caller's keyword arguments.
 
