@@ -1,13 +1,12 @@
 """Generated chats for the SFT tests: Qwen's special token ids, tools, random text and conversations (tool calls
-included), transformers' ids for a chat, the id-level ChatML loss-mask oracle, encoded sample images."""
+included), encoded sample images."""
 
 from __future__ import annotations
 
 import json
 import random
 
-IM_START, IM_END, NEWLINE, ASSISTANT = 151644, 151645, 198, 77091
-IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
+IM_END, IMAGE_PAD = 151645, 151655
 
 
 TOOLS = [
@@ -99,23 +98,6 @@ def random_conversation(rng: random.Random, *, tools: bool) -> list[dict]:
 def random_conversations(seed: int, n: int, *, tools: bool) -> list[dict]:
     rng = random.Random(seed)
     return [random_conversation(rng, tools=tools) for _ in range(n)]
-
-
-def hf_chat_ids(hf_tokenizer, messages, tools=None) -> list[int]:
-    out = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=False)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def expected_chatml_mask(ids: list[int]) -> list[bool]:
-    """Id-level oracle: after each ``<|im_start|>assistant`` (+ its newline token when that token is a lone "\\n"),
-    everything up to and including the next ``<|im_end|>``."""
-    mask = [False] * len(ids)
-    for p in range(len(ids) - 1):
-        if ids[p] == IM_START and ids[p + 1] == ASSISTANT:
-            h = p + 3 if ids[p + 2] == NEWLINE else p + 2
-            e = ids.index(IM_END, h)
-            mask[h : e + 1] = [True] * (e + 1 - h)
-    return mask
 
 
 def encoded_image(rng: random.Random, kind: str):
