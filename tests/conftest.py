@@ -87,8 +87,8 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def sft_family_dirs(tmp_path_factory, model_dir):
-    """The offline tokenizers the SFT tests render with (tools/qwen_families.py), built once per session."""
-    from tools.qwen_families import qwen3_vl_sft_dir, qwen_tokenizer_dir
+    """The offline tokenizers the SFT tests render with (tools/sft_tokenizers.py), built once per session."""
+    from tools.sft_tokenizers import llama3_tokenizer_dir, qwen3_vl_sft_dir, qwen_tokenizer_dir
 
     root = tmp_path_factory.mktemp("sft-families")
     return {
@@ -96,6 +96,7 @@ def sft_family_dirs(tmp_path_factory, model_dir):
         "qwen2.5": qwen_tokenizer_dir(root / "qwen2.5", "qwen2.5"),
         "qwen3": qwen_tokenizer_dir(root / "qwen3", "qwen3"),
         "qwen3-vl": qwen3_vl_sft_dir(root / "qwen3-vl"),
+        "llama-3": llama3_tokenizer_dir(root / "llama-3"),
     }
 
 

@@ -2,7 +2,7 @@
 ``shift_and_truncate`` called directly; prompt + completion input; images through renderers' Qwen3-VL renderer;
 truncation at placeholder runs; packing; quarantine / strict; ledger counts; ``SFTCollate`` and ``PrimeRLCollate``.
 Real local Ray (the session fixture), small data; the renderers are Qwen3's and Qwen3-VL's on offline tokenizers
-(``tools.qwen_families``)."""
+(``tools.sft_tokenizers``)."""
 
 from __future__ import annotations
 

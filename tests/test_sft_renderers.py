@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 from ingest.blocks import tensor_from_record
 from ingest.sft import build_sft_dataset
@@ -25,6 +26,7 @@ renderers = pytest.importorskip("renderers")
 from renderers import build_training_sample, create_renderer  # noqa: E402
 from renderers.configs import (  # noqa: E402
     DefaultRendererConfig,
+    Llama3RendererConfig,
     Qwen3RendererConfig,
     Qwen3VLRendererConfig,
     Qwen35RendererConfig,
@@ -47,6 +49,7 @@ FAMILIES = {
     "qwen3-vl": ("qwen3-vl", Qwen3VLRendererConfig(), {}),
     "default-qwen2.5": ("qwen2.5", DefaultRendererConfig(), {"role_to_mask": assistant_only}),
     "default-qwen2-vl": ("qwen2-vl", DefaultRendererConfig(), {"role_to_mask": assistant_only}),
+    "llama-3": ("llama-3", Llama3RendererConfig(), {}),
 }
 
 
@@ -98,28 +101,42 @@ def assert_row_is_renderers_sample(row: dict, sample) -> None:
 
 def check_family(tmp_path, family_dirs, family: str, rows: list[dict], **kwargs) -> None:
     """The pipeline's rows of ``rows`` (``messages`` as JSON strings, optional ``tools`` / ``images`` /
-    ``message_loss_mask`` columns) against renderers called here on each conversation."""
+    ``message_loss_mask`` columns) against renderers called here on each conversation: a sample per conversation
+    renderers renders, and a quarantine record with renderers' reason for each one it refuses."""
     from transformers import AutoTokenizer
+
+    from ingest.stats import RunLedger
 
     directory, config, family_kwargs = FAMILIES[family]
     tokenizer_dir = family_dirs[directory]
     kwargs = {**family_kwargs, **kwargs}
     no_target = kwargs.pop("no_target", "drop")
-    files = [write_rows(tmp_path / "conversations.parquet", rows)]
-    got = pipeline_rows(files, tokenizer_dir, config, no_target=no_target, **kwargs)
     renderer = create_renderer(AutoTokenizer.from_pretrained(tokenizer_dir), config)
-    assert len(got) == len(rows)
-    for row, source in zip(got, rows, strict=True):
+    expected, refused = [], {}
+    for i, source in enumerate(rows):
         messages = json.loads(source["messages"])
+        images = iter(source.get("images") or [])
         for message in messages:  # the images column fills the image parts in order, as the pipeline does
             for part in message["content"] if isinstance(message["content"], list) else []:
                 if part.get("type") == "image":
-                    part["image"] = source["images"].pop(0)
+                    part["image"] = next(images)
         tools = json.loads(source["tools"]) if source.get("tools") else None
-        sample = build_training_sample(
-            renderer, messages, tools=tools, message_loss_mask=source.get("message_loss_mask"), **kwargs
-        )
+        try:
+            expected.append(
+                build_training_sample(
+                    renderer, messages, tools=tools, message_loss_mask=source.get("message_loss_mask"), **kwargs
+                )
+            )
+        except ValueError as exc:  # renderers refuses it: the pipeline quarantines it with renderers' reason
+            refused[i] = str(exc)
+    ledger = RunLedger.remote()
+    files = [write_rows(tmp_path / "conversations.parquet", rows)]
+    got = pipeline_rows(files, tokenizer_dir, config, no_target=no_target, ledger=ledger, **kwargs)
+    assert len(got) == len(expected) and len(expected) >= len(rows) // 3
+    for row, sample in zip(got, expected, strict=True):
         assert_row_is_renderers_sample(row, sample)
+    records = ray.get(ledger.quarantine.remote())
+    assert {r["row"]: r["reason"] for r in records} == {i: f"renderers: ValueError: {m}" for i, m in refused.items()}
 
 
 def text_rows(seed: int, n: int, *, with_tools: bool) -> list[dict]:
@@ -149,7 +166,7 @@ def image_rows(seed: int, n: int) -> list[dict]:
 # --- one case per family (fast tier) ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "default-qwen2.5", "default-qwen2-vl"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5", "default-qwen2.5", "default-qwen2-vl", "llama-3"])
 def test_text_rows_equal_renderers_own_samples(ray_session, tmp_path, family_dirs, family):
     check_family(tmp_path, family_dirs, family, text_rows(7, 12, with_tools=False))
 

@@ -174,7 +174,7 @@ def run_side(side: str, files: list[str], model: str, workload: str, config: dic
 
 
 def bench_sft(rows=(20_000,), work_dir: str | None = None, workloads=("text",), config: dict | None = None) -> dict:
-    from tools.qwen_families import qwen3_vl_sft_dir, qwen_tokenizer_dir
+    from tools.sft_tokenizers import qwen3_vl_sft_dir, qwen_tokenizer_dir
     from tools.session import cache_dir, cached_files, machine
 
     work = cache_dir(work_dir)
