@@ -91,11 +91,12 @@ def sft_family_dirs(tmp_path_factory, model_dir):
     from tools.sft_tokenizers import llama3_tokenizer_dir, qwen3_vl_sft_dir, qwen_tokenizer_dir
 
     root = tmp_path_factory.mktemp("sft-families")
+    qwen3 = qwen_tokenizer_dir(root / "qwen3", "qwen3")
     return {
         "qwen2-vl": model_dir,
         "qwen2.5": qwen_tokenizer_dir(root / "qwen2.5", "qwen2.5"),
-        "qwen3": qwen_tokenizer_dir(root / "qwen3", "qwen3"),
-        "qwen3-vl": qwen3_vl_sft_dir(root / "qwen3-vl"),
+        "qwen3": qwen3,
+        "qwen3-vl": qwen3_vl_sft_dir(root / "qwen3-vl", qwen3),
         "llama-3": llama3_tokenizer_dir(root / "llama-3"),
     }
 

@@ -174,8 +174,8 @@ def run_side(side: str, files: list[str], model: str, workload: str, config: dic
 
 
 def bench_sft(rows=(20_000,), work_dir: str | None = None, workloads=("text",), config: dict | None = None) -> dict:
-    from tools.sft_tokenizers import qwen3_vl_sft_dir, qwen_tokenizer_dir
     from tools.session import cache_dir, cached_files, machine
+    from tools.sft_tokenizers import qwen3_vl_sft_dir, qwen_tokenizer_dir
 
     work = cache_dir(work_dir)
     models = {

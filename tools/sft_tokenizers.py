@@ -46,8 +46,8 @@ def qwen_tokenizer_dir(out_dir: str | os.PathLike, family: str) -> str:
     return str(out)
 
 
-def qwen3_vl_sft_dir(out_dir: str | os.PathLike) -> str:
-    """The Qwen3-VL processor directory with Qwen3's tokenizer (its 26 added tokens)."""
+def qwen3_vl_sft_dir(out_dir: str | os.PathLike, qwen3_dir: str | os.PathLike | None = None) -> str:
+    """The Qwen3-VL processor directory with Qwen3's tokenizer (its 26 added tokens; ``qwen3_dir``: a built one)."""
     from tools.samples import qwen3_vl_model_dir
 
     out = Path(out_dir)
@@ -55,13 +55,14 @@ def qwen3_vl_sft_dir(out_dir: str | os.PathLike) -> str:
         return str(out)
     tmp = Path(f"{out}.tmp-{os.getpid()}")
     qwen3_vl_model_dir(tmp)
-    tokenizer = Path(qwen_tokenizer_dir(f"{tmp}-tokenizer", "qwen3"))
+    tokenizer = Path(qwen3_dir or qwen_tokenizer_dir(f"{tmp}-tokenizer", "qwen3"))
     shutil.copy(tokenizer / "tokenizer.json", tmp / "tokenizer.json")
     config = json.loads((tmp / "tokenizer_config.json").read_text())
     config.update({k: v for k, v in json.loads((tokenizer / "tokenizer_config.json").read_text()).items()
                    if k not in ("processor_class", "chat_template")})  # fmt: skip
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    shutil.rmtree(tokenizer)
+    if qwen3_dir is None:
+        shutil.rmtree(tokenizer)
     tmp.rename(out)
     return str(out)
 

@@ -10,6 +10,7 @@ See docs/sft.md.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -107,7 +108,16 @@ def build_sft_dataset(
 def _loaded_tokenizer(model: Any, cfg: DataConfig) -> Any:
     """A transformers tokenizer for ``model`` (a path, hub name or None, loaded; a processor's own tokenizer)."""
     if model is None or isinstance(model, str | os.PathLike):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(resolve_model_path(model), trust_remote_code=cfg.trust_remote_code)
+        path = resolve_model_path(model)
+        stamp = os.path.getmtime(path) if os.path.isdir(path) else None
+        return _tokenizer_at(path, stamp, cfg.trust_remote_code)
     return getattr(model, "tokenizer", None) if is_processor_object(model) else model
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_at(path: str, stamp: float | None, trust_remote_code: bool) -> Any:
+    """The driver's tokenizer for its renderer check, loaded once per directory (and its modification time): a
+    training loop builds a dataset per epoch from the same one. Only read here."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -8,6 +8,7 @@ and save a processor directory that transformers 5 (and 4.57, for the verl oracl
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -138,18 +139,26 @@ def build_offline_model_dir(out_dir: str | os.PathLike | None = None, *, force: 
     return out
 
 
+@functools.cache
+def _qwen_bpe() -> str:
+    """The ``tokenizers.Tokenizer`` of Qwen's BPE ranks alone, as JSON: converting the ranks takes seconds, and one
+    process that builds several families' tokenizers converts them once."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    # additional_special_tokens=[]: transformers 4.x iterates it (None fails); the added tokens are added after
+    converter = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN, additional_special_tokens=[])
+    return converter.converted().to_str()
+
+
 def build_qwen_tokenizer(added_tokens: int, chat_template: str):
     """A transformers tokenizer with Qwen's 151,643 BPE ranks (from ``dashscope``), the first ``added_tokens`` of
     ``QWEN_ADDED_TOKENS`` on their real ids, eos ``<|im_end|>``, pad ``<|endoftext|>`` and no unknown token, as the
     published Qwen tokenizers have them."""
     import transformers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Tokenizer
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    # additional_special_tokens=[]: transformers 4.x iterates it (None fails); the added tokens are added below
-    converter = TikTokenConverter(vocab_file=str(_tiktoken_file()), pattern=QWEN_PATTERN, additional_special_tokens=[])
-    backend = converter.converted()
+    backend = Tokenizer.from_str(_qwen_bpe())
     for token, special in QWEN_ADDED_TOKENS[:added_tokens]:  # one at a time: each lands on the next id
         add = backend.add_special_tokens if special else backend.add_tokens
         add([AddedToken(token, special=special, normalized=False)])
