@@ -23,7 +23,15 @@ from ingest.blocks import tensor_from_record
 from ingest.rowformat.messages import split_media_placeholders
 from ingest.sft import PrimeRLCollate, SFTCollate, build_sft_dataset, shift_and_truncate
 from ingest.stats import RunLedger, RunSummary
-from tests.support.conversations import IM_END, IMAGE_PAD, TOOLS, encoded_image, random_conversations, random_text
+from tests.support.conversations import (
+    IM_END,
+    IMAGE_PAD,
+    TOOLS,
+    encoded_image,
+    inline_images,
+    random_conversations,
+    random_text,
+)
 from tests.support.tiers import slow
 
 renderers = pytest.importorskip("renderers")
@@ -43,23 +51,8 @@ def _rows(ds) -> list[dict]:
     return [row for batch in ds.iter_batches(batch_size=64, batch_format="pyarrow") for row in batch.to_pylist()]
 
 
-def _inline(messages: list[dict], images: list[bytes] | None) -> list[dict]:
-    """renderers' form of a row: the images column's values in the image parts that have none, in order."""
-    pending = iter(images or [])
-    out = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, list):
-            content = [
-                {**p, "image": next(pending)} if p.get("type") == "image" and p.get("image") is None else p
-                for p in content
-            ]
-        out.append({**message, "content": content})
-    return out
-
-
 def _sample(renderer, messages, images=None, **kwargs):
-    return build_training_sample(renderer, _inline(messages, images), **kwargs)
+    return build_training_sample(renderer, inline_images(messages, images), **kwargs)
 
 
 def _direct(renderer, messages, max_length=4096, images=None, **kwargs):

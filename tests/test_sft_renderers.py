@@ -19,7 +19,7 @@ import ray
 
 from ingest.blocks import tensor_from_record
 from ingest.sft import build_sft_dataset
-from tests.support.conversations import TOOLS, encoded_image, random_conversations
+from tests.support.conversations import TOOLS, encoded_image, inline_images, random_conversations
 from tests.support.tiers import slow
 
 renderers = pytest.importorskip("renderers")
@@ -114,12 +114,7 @@ def check_family(tmp_path, family_dirs, family: str, rows: list[dict], **kwargs)
     renderer = create_renderer(AutoTokenizer.from_pretrained(tokenizer_dir), config)
     expected, refused = [], {}
     for i, source in enumerate(rows):
-        messages = json.loads(source["messages"])
-        images = iter(source.get("images") or [])
-        for message in messages:  # the images column fills the image parts in order, as the pipeline does
-            for part in message["content"] if isinstance(message["content"], list) else []:
-                if part.get("type") == "image":
-                    part["image"] = next(images)
+        messages = inline_images(json.loads(source["messages"]), source.get("images"))
         tools = json.loads(source["tools"]) if source.get("tools") else None
         try:
             expected.append(

@@ -82,7 +82,7 @@ def build_sft_dataset(
     if processor is None and is_processor_object(tokenizer):
         processor = tokenizer
     model = processor if processor is not None else tokenizer
-    check_model_paths(model, None)
+    check_model_paths(tokenizer, processor)
     # the renderer once on the driver: an unknown model or a tokenizer the renderer refuses fails here, in
     # renderers' words, before any actor starts
     driver_renderer = renderers.create_renderer(_loaded_tokenizer(model, cfg), renderer_config(renderer))

@@ -4,7 +4,7 @@ Each render actor builds one renderer with ``renderers.create_renderer`` and cal
 ``build_training_sample`` per conversation with the caller's keyword arguments (``engine``). The pipeline adds what
 renderers does not have: streaming Parquet (local, S3, HDFS), actor pools, images from their columns, the causal
 shift, truncation that never splits a media run and packing with ``seq_lens`` as prime-rl consumes them
-(``sequence``), exact resume, and accounting with quarantine of bad rows (``conversation``, ``ingest.stages.sft``).
+(``sequence``), and accounting with quarantine of bad rows (``conversation``, ``ingest.stages.sft``).
 See docs/sft.md.
 
 A prime-rl user's ``from renderers import create_renderer, build_training_sample`` is unchanged beside this package:

@@ -100,6 +100,22 @@ def random_conversations(seed: int, n: int, *, tools: bool) -> list[dict]:
     return [random_conversation(rng, tools=tools) for _ in range(n)]
 
 
+def inline_images(messages: list[dict], images: list[bytes] | None) -> list[dict]:
+    """renderers' form of a row, written for the tests apart from the pipeline's: the images column's values in the
+    image parts that have none, in order."""
+    pending = iter(images or [])
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {**p, "image": next(pending)} if p.get("type") == "image" and p.get("image") is None else p
+                for p in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
 def encoded_image(rng: random.Random, kind: str):
     from tools.samples import encode_image, make_image
 
